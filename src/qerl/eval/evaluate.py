@@ -1,0 +1,96 @@
+"""Held-out evaluation of the policy *with its adapter applied*: greedy pass@1 and sampled pass@k.
+
+Correctness is decided by a reward function (by default the task's own verifier) reaching a
+threshold, so evaluation and training agree on what "right" means -- and unlike the paper's
+public evaluation script, the trained adapter is applied and the whole answer is verified.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pandas as pd
+import torch
+
+from qerl.rewards.base import build_reward, score_completions
+from qerl.rollout.base import RolloutEngine, SamplingParams
+from qerl.train.policy import Policy
+from qerl.train.steps import encode_prompts
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def correctness(
+    prompts: pd.DataFrame, completions: list[str], reward: dict[str, Any], threshold: float
+) -> list[bool]:
+    """``True`` where the correctness reward (unweighted) reaches ``threshold``."""
+    wr = build_reward({**reward, "weight": 1.0}, "qerl.eval.correctness")
+    cols = {
+        "answer": prompts["answer"].astype(str).tolist(),
+        "task": prompts["task"].astype(str).tolist(),
+        "metadata": [json.loads(m) if isinstance(m, str) and m else {} for m in prompts["metadata"]],
+    }
+    res = score_completions([wr], prompts["prompt"].tolist(), completions, cols, on_error="zero")
+    return [v >= threshold - 1e-9 for v in res.total]
+
+
+def evaluate_policy(
+    policy: Policy,
+    prompts: pd.DataFrame,
+    engine: RolloutEngine,
+    *,
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    reward: dict[str, Any],
+    threshold: float,
+    seed: int,
+) -> tuple[dict[str, float], pd.DataFrame]:
+    """Greedy pass@1 and sampled pass@k (n = k samples per prompt). Returns (summary, per-prompt table)."""
+    ids, kept, _, _ = encode_prompts(policy, prompts["prompt"].tolist(), max_prompt_tokens, "truncate")
+    prompts = prompts.iloc[kept].reset_index(drop=True)
+    base = dict(max_new_tokens=max_new_tokens, eos_token_ids=policy.eos_token_ids, pad_token_id=policy.pad_token_id)
+    greedy = engine.generate(policy.model, ids, SamplingParams(n=1, greedy=True, **base), None)
+    g_text = _decode(policy, greedy)
+    g_ok = correctness(prompts, g_text, reward, threshold)
+    gen = torch.Generator().manual_seed(seed)
+    sampled = engine.generate(policy.model, ids, SamplingParams(n=k, temperature=temperature, **base), gen)
+    s_text = _decode(policy, sampled)
+    s_ok = correctness(prompts.loc[prompts.index.repeat(k)].reset_index(drop=True), s_text, reward, threshold)
+    per_prompt = pd.DataFrame(
+        {
+            "prompt_id": prompts["id"].astype(str),
+            "prompt": prompts["prompt"],
+            "answer": prompts["answer"].astype(str),
+            "greedy_completion": g_text,
+            "greedy_correct": g_ok,
+            "samples_correct": [sum(s_ok[i * k : (i + 1) * k]) for i in range(len(prompts))],
+        }
+    )
+    summary = {
+        "n_prompts": len(prompts),
+        "pass@1_greedy": float(per_prompt["greedy_correct"].mean()),
+        f"pass@{k}": float(per_prompt["samples_correct"].map(lambda c: pass_at_k(k, c, k)).mean()),
+        "pass@1_sampled": float(per_prompt["samples_correct"].mean() / k),
+        "k": k,
+    }
+    return summary, per_prompt
+
+
+def _decode(policy: Policy, batch: Any) -> list[str]:
+    lengths = batch.completion_lengths.tolist()
+    texts = policy.tokenizer.batch_decode(
+        [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths)], skip_special_tokens=False
+    )
+    for tok in (policy.tokenizer.eos_token, policy.tokenizer.pad_token):
+        if tok:
+            texts = [t.replace(tok, "") for t in texts]
+    return texts

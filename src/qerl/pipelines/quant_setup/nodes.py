@@ -1,0 +1,50 @@
+"""Quantized model setup on its own: build the policy in the configured format, and compare all
+five formats on the same base (weight bytes, bits per weight, reconstruction error)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+
+import pandas as pd
+
+from qerl.params import FORMATS, TrainParams
+from qerl.pipelines.qerl_train.nodes import policy_spec
+from qerl.train.policy import Policy, build_policy
+
+log = logging.getLogger(__name__)
+
+
+def setup_policy(params: TrainParams) -> tuple[Policy, pd.DataFrame]:
+    """The quantized LoRA policy and its per-layer quantization report."""
+    policy, report = build_policy(policy_spec(params))
+    return policy, pd.DataFrame(report)
+
+
+def compare_formats(params: TrainParams) -> pd.DataFrame:
+    """Total weight bytes, bits per weight and error of every format on the configured model."""
+    rows = []
+    for fmt in FORMATS:
+        spec = dataclasses.replace(policy_spec(params), format=fmt)
+        policy, report = build_policy(spec)
+        df = pd.DataFrame(report)
+        quantized = df[df["format"] != "none"] if "format" in df else df
+        total_bytes = int(df["weight_bytes"].sum())
+        rows.append(
+            {
+                "format": fmt,
+                "linear_layers": len(df),
+                "quantized_layers": len(quantized) if fmt != "none" else 0,
+                "weight_bytes": total_bytes,
+                "bits_per_weight": 8 * total_bytes / max(1, int(df["n_params"].sum())),
+                "rel_error_mean": float(df["rel_error"].mean()),
+                "rel_error_max": float(df["rel_error"].max()),
+                "lora_params": sum(p.numel() for p in policy.lora_parameters()),
+            }
+        )
+        del policy
+        gc.collect()
+    table = pd.DataFrame(rows)
+    log.info("format comparison:\n%s", table.to_string(index=False))
+    return table

@@ -1,0 +1,26 @@
+"""Rollout engines behind one interface (:class:`~qerl.rollout.base.RolloutEngine`)."""
+
+from __future__ import annotations
+
+import torch
+
+from qerl.errors import QerlConfigError
+from qerl.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+from qerl.rollout.hf import HFGenerateEngine
+
+ENGINES = ("auto", "hf", "fast")
+
+
+def get_engine(name: str, device: torch.device) -> RolloutEngine:
+    """``hf``: transformers generate; ``fast``: our static-cache engine (CUDA graphs on GPU, plain
+    torch on CPU); ``auto``: fast on CUDA, hf on CPU."""
+    if name not in ENGINES:
+        raise QerlConfigError("rollout.engine", f"unknown engine {name!r}", f"use one of {', '.join(ENGINES)}")
+    if name == "hf" or (name == "auto" and device.type != "cuda"):
+        return HFGenerateEngine()
+    from qerl.rollout.fast import FastEngine
+
+    return FastEngine()
+
+
+__all__ = ["ENGINES", "HFGenerateEngine", "RolloutBatch", "RolloutEngine", "SamplingParams", "get_engine"]

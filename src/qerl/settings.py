@@ -1,0 +1,22 @@
+"""Kedro project settings."""
+
+from __future__ import annotations
+
+import os
+
+# No network, ever: no telemetry, no hub look-ups (a user can still override in their shell).
+for _var in ("KEDRO_DISABLE_TELEMETRY", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*register_new_resolver.*")
+
+from qerl.hooks import QerlHooks  # noqa: E402
+
+HOOKS = (QerlHooks(),)
+
+CONFIG_LOADER_ARGS = {
+    "base_env": "base",
+    "default_run_env": "local",
+}

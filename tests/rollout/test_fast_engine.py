@@ -1,0 +1,223 @@
+"""The fast rollout engine against transformers ``generate`` and a teacher-forced forward pass.
+
+CPU tests run the engine's torch backend (the CPU path: no graphs, no Triton) on small random
+Qwen2 / Llama models: greedy tokens must equal ``generate``'s and log-probs must match, with
+prompts of different lengths in one batch, FP4 (``QuantLinear``) bases, peft LoRA adapters applied
+unmerged, AQN-style in-place noise on the norm weights and EOS handling. The GPU tests (skipped
+without CUDA) run the Triton backend with CUDA graphs against the same references.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl.rollout.base import RolloutEngine, SamplingParams
+from qerl.rollout.fast import FastEngine
+from qerl.rollout.hf import HFGenerateEngine
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [3]]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _model(arch: str = "qwen2", fmt: str | None = None, lora: bool = False, device="cpu",
+           dtype=torch.float32, seed: int = 0, **over):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=1, initializer_range=0.3)
+    common.update(over)
+    if arch == "qwen2":
+        cfg = Qwen2Config(**common, tie_word_embeddings=True)
+    else:
+        cfg = LlamaConfig(**common, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if fmt is not None:
+        from qerl.quant.linear import quantize_model_
+
+        quantize_model_(model, fmt)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                 init_lora_weights=False))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _teacher_forced_logprobs(model, batch, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T)[token] of every completion token, from one full forward pass."""
+    rows = [p + c.tolist() for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
+    width = max(len(r) for r in rows)
+    dev = next(model.parameters()).device
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    att = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        att[i, width - len(r):] = 1
+    pos = (att.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev),
+                       position_ids=pos.to(dev)).logits.float().cpu()
+    T = batch.completion_ids.shape[1]
+    out = torch.zeros(len(rows), T)
+    for i, r in enumerate(rows):
+        start = width - len(r) + len(batch.prompt_ids[i])
+        lp = torch.log_softmax(logits[i, start - 1:start - 1 + T] / temperature, dim=-1)
+        out[i] = lp.gather(-1, batch.completion_ids[i].unsqueeze(-1)).squeeze(-1)
+    return out * batch.completion_mask
+
+
+def test_is_a_rollout_engine() -> None:
+    assert isinstance(FastEngine(), RolloutEngine)
+    assert FastEngine().name == "fast"
+    with pytest.raises(ValueError):
+        FastEngine(backend="nope")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_equals_hf_generate(arch: str) -> None:
+    model = _model(arch)
+    sp = SamplingParams(n=1, greedy=True, max_new_tokens=12, eos_token_ids=(), pad_token_id=0)
+    out = FastEngine(backend="torch").generate(model, PROMPTS, sp)
+    ref = HFGenerateEngine().generate(model, PROMPTS, sp)
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    assert out.completion_mask.equal(ref.completion_mask)
+    assert out.truncated.all() and out.prompt_index.tolist() == [0, 1, 2, 3]
+    # the rows really differ (a degenerate model would make the comparison vacuous)
+    assert len({tuple(r.tolist()) for r in out.completion_ids}) == 4
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_base_with_lora_equals_hf_generate(fmt: str) -> None:
+    pytest.importorskip("peft")
+    model = _model("qwen2", fmt=fmt, lora=True)
+    sp = SamplingParams(n=1, greedy=True, max_new_tokens=10, eos_token_ids=(), pad_token_id=0)
+    out = FastEngine(backend="torch").generate(model, PROMPTS, sp)
+    ref = HFGenerateEngine().generate(model, PROMPTS, sp)
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    # the adapter is live: disabling it changes the rollout, and matches generate again
+    with model.disable_adapter():
+        base = FastEngine(backend="torch").generate(model, PROMPTS, sp)
+        ref_base = HFGenerateEngine().generate(model, PROMPTS, sp)
+    assert torch.equal(base.completion_ids, ref_base.completion_ids)
+    assert not torch.equal(base.completion_ids, out.completion_ids)
+
+
+def test_sampled_logprobs_match_teacher_forcing_and_top_p() -> None:
+    model = _model("llama")
+    sp = SamplingParams(n=3, temperature=0.7, top_p=0.8, max_new_tokens=8, eos_token_ids=(2,),
+                        pad_token_id=0)
+    eng = FastEngine(backend="torch")
+    out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(3))
+    assert out.completion_ids.shape[0] == 12 and out.prompt_index.tolist() == [i // 3 for i in range(12)]
+    ref = _teacher_forced_logprobs(model, out, 0.7)
+    torch.testing.assert_close(out.logprobs, ref, atol=1e-4, rtol=0)
+    # every sampled token lies in the nucleus of its step: mass strictly above it < top_p
+    lp_all = []
+    for i in range(12):
+        lp_all.append(out.logprobs[i][out.completion_mask[i].bool()])
+    assert all((lp <= 0).all() for lp in lp_all)
+    # reproducible from the generator, and a different seed gives a different rollout
+    again = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(again.completion_ids, out.completion_ids)
+    other = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(other.completion_ids, out.completion_ids)
+
+
+def test_top_p_restricts_to_nucleus() -> None:
+    from qerl.rollout.fast import sample_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50) * 3
+    u = torch.rand(64)
+    tok, lp, _ = sample_tokens(logits, u, torch.tensor([1.0]), torch.tensor([0.5]), "top_p")
+    p = torch.softmax(logits, -1)
+    above = (p * (p > p.gather(-1, tok[:, None]))).sum(-1)
+    assert (above < 0.5).all()
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
+    g, _, _ = sample_tokens(logits, u, torch.tensor([1.0]), torch.tensor([1.0]), "greedy")
+    assert torch.equal(g, logits.argmax(-1))
+
+
+def test_eos_stops_rows_like_hf() -> None:
+    model = _model("qwen2", seed=1)
+    sp0 = SamplingParams(n=1, greedy=True, max_new_tokens=10, eos_token_ids=(), pad_token_id=0)
+    free = FastEngine(backend="torch").generate(model, PROMPTS, sp0)
+    eos = int(free.completion_ids[0, 3])  # row 0 emits it at step 3 (or earlier)
+    sp = SamplingParams(n=1, greedy=True, max_new_tokens=10, eos_token_ids=(eos,), pad_token_id=0)
+    out = FastEngine(backend="torch").generate(model, PROMPTS, sp)
+    ref = HFGenerateEngine().generate(model, PROMPTS, sp)
+    assert out.completion_ids.shape == ref.completion_ids.shape
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    assert torch.equal(out.completion_mask, ref.completion_mask)
+    assert torch.equal(out.truncated, ref.truncated)
+    assert not out.truncated[0]
+    row = out.completion_mask[0]
+    first = int((out.completion_ids[0] == eos).nonzero()[0])
+    assert row[: first + 1].all() and not row[first + 1:].any()
+
+
+def test_norm_noise_in_place_is_seen() -> None:
+    """AQN adds noise to the norm weights in place: the engine must read the live tensors."""
+    model = _model("qwen2")
+    sp = SamplingParams(n=1, greedy=True, max_new_tokens=6, eos_token_ids=(), pad_token_id=0)
+    eng = FastEngine(backend="torch")
+    clean = eng.generate(model, PROMPTS, sp)
+    norms = [m.weight for n, m in model.named_modules() if n.endswith("layernorm")]
+    saved = [w.detach().clone() for w in norms]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in norms:
+            w.add_(torch.randn(w.shape, generator=gen) * 0.3)
+    noisy = eng.generate(model, PROMPTS, sp)
+    ref = HFGenerateEngine().generate(model, PROMPTS, sp)
+    assert torch.equal(noisy.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(noisy.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    assert not torch.allclose(noisy.logprobs, clean.logprobs)
+    with torch.no_grad():
+        for w, s in zip(norms, saved, strict=True):
+            w.copy_(s)
+    again = eng.generate(model, PROMPTS, sp)
+    assert torch.equal(again.completion_ids, clean.completion_ids)
+
+
+def test_rejects_empty_prompts() -> None:
+    model = _model("qwen2")
+    sp = SamplingParams(n=1, greedy=True, max_new_tokens=2)
+    with pytest.raises(ValueError):
+        FastEngine(backend="torch").generate(model, [[1], []], sp)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.parametrize("fmt", [None, "nvfp4", "mxfp4"])
+def test_gpu_graph_engine_matches_teacher_forcing(fmt) -> None:
+    """bf16 on the GPU: the graph-replayed Triton path agrees with a full forward pass."""
+    model = _model("qwen2", fmt=fmt, lora=True, device="cuda", dtype=torch.bfloat16,
+                   hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, initializer_range=0.05)
+    eng = FastEngine()
+    sp = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=40, eos_token_ids=(),
+                        pad_token_id=0)
+    out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+    assert eng.last_stats["backend"] == "triton" and eng.last_stats["cuda_graph"]
+    ref = _teacher_forced_logprobs(model, out, 1.0)
+    err = (out.logprobs - ref).abs()
+    assert err.mean() < 0.05 and err.max() < 0.5, (err.mean(), err.max())
+    # norm weights changed in place after capture: the replayed graph sees them
+    norms = [m.weight for n, m in model.named_modules() if n.endswith("layernorm")]
+    with torch.no_grad():
+        for w in norms:
+            w.mul_(1.5)
+    out2 = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+    ref2 = _teacher_forced_logprobs(model, out2, 1.0)
+    assert (out2.logprobs - ref2).abs().mean() < 0.05
+    assert not torch.allclose(out2.logprobs, out.logprobs)
