@@ -63,6 +63,14 @@ class RLSettings:
     quant: str = "none"  # none | nvfp4 | mxfp4
 
 
+def exact_int_score(answer: str | None, entry: dict) -> float:
+    """Integer match (what chain_sum's verifier gives for integer answers), no reasoning-gym needed."""
+    try:
+        return float(answer is not None and int(answer.strip()) == int(entry["answer"]))
+    except ValueError:
+        return 0.0
+
+
 def format_ok(text: str) -> bool:
     t = text.strip()
     return (
@@ -129,11 +137,17 @@ def policy_logprobs(model, p_ids, comp, mask, G, pad_id, temperature):
 
 def run_seed(seed: int, rl: RLSettings, sft: SFTConfig, spec: TinyModelSpec, task: EmbeddedTask,
              n_sft: int, n_rl: int, n_eval: int, data_seed: int, log=print,
-             cache_dir: str | None = None) -> dict:
+             cache_dir: str | None = None, entries_json: str | None = None) -> dict:
     torch.set_num_threads(2)
     t0 = time.perf_counter()
-    splits = split_entries(task, {"sft": n_sft, "rl": n_rl, "eval": n_eval}, seed=data_seed)
-    score = task.scorer()
+    if entries_json:  # pre-generated splits (for machines without reasoning-gym)
+        with open(entries_json) as f:
+            splits = json.load(f)
+        splits = {k: splits[k][:n] for k, n in (("sft", n_sft), ("rl", n_rl), ("eval", n_eval))}
+        score = exact_int_score
+    else:
+        splits = split_entries(task, {"sft": n_sft, "rl": n_rl, "eval": n_eval}, seed=data_seed)
+        score = task.scorer()
     sft_cfg = SFTConfig(**{**asdict(sft), "seed": seed})
     key = hashlib.sha1(json.dumps([task.to_dict(), spec.to_dict(), asdict(sft_cfg), n_sft, data_seed],
                                   sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -267,6 +281,8 @@ def main(argv=None) -> int:
         ap.add_argument("--" + f.replace("_", "-"), type=type(v), default=v)
     ap.add_argument("--out", default=None, help="JSON report path")
     ap.add_argument("--sft-cache", default=None, help="directory to cache SFT models in (reused by key)")
+    ap.add_argument("--entries-json", default=None, help="use pre-generated {sft,rl,eval} entries")
+    ap.add_argument("--dump-entries", default=None, help="write the {sft,rl,eval} entries here and exit")
     a = ap.parse_args(argv)
 
     task = EmbeddedTask()
@@ -279,10 +295,15 @@ def main(argv=None) -> int:
                          num_attention_heads=a.hidden // 32, num_key_value_heads=a.hidden // 32)
     sft = SFTConfig(steps=a.sft_steps, lr=a.sft_lr, batch_size=a.sft_batch, log_every=100)
     rl = RLSettings(**{f: getattr(a, f) for f in asdict(RLSettings())})
+    if a.dump_entries:
+        sp = split_entries(task, {"sft": a.n_sft, "rl": a.n_rl, "eval": a.n_eval}, seed=a.data_seed)
+        with open(a.dump_entries, "w") as f:
+            json.dump(sp, f)
+        return 0
     results = []
     for s in a.seeds:
         results.append(run_seed(s, rl, sft, spec, task, a.n_sft, a.n_rl, a.n_eval, a.data_seed,
-                                cache_dir=a.sft_cache))
+                                cache_dir=a.sft_cache, entries_json=a.entries_json))
 
     hdr = f"{'seed':>4} {'SFT s':>6} {'warm':>6} {'pre-RL':>6} {'post-RL':>7} {'lift pts':>8} {'RL s':>6} {'gen s':>6} {'upd s':>6}"
     print()

@@ -19,6 +19,10 @@ class QerlHooks:
     def after_context_created(self, context: Any) -> None:
         import torch
 
+        from qerl.pipelines.qerl_train.pipeline import remember_configured_steps
+
+        remember_configured_steps(context.config_loader)
+
         threads = os.environ.get("QERL_NUM_THREADS")
         if threads:
             torch.set_num_threads(int(threads))

@@ -16,7 +16,9 @@ from qerl.hooks import QerlHooks  # noqa: E402
 
 HOOKS = (QerlHooks(),)
 
+# "soft": an env (local, gpu_paper, ...) overrides single nested keys instead of whole blocks.
 CONFIG_LOADER_ARGS = {
     "base_env": "base",
     "default_run_env": "local",
+    "merge_strategy": {"parameters": "soft", "catalog": "soft"},
 }

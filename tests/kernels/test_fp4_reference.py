@@ -135,7 +135,7 @@ gpu = pytest.mark.skipif(not (torch.cuda.is_available() and fk.HAS_TRITON),
                          reason="needs a CUDA GPU and Triton")
 
 SHAPES = [(1, 96, 256), (3, 200, 160), (16, 512, 3584), (33, 1000, 544), (64, 3584, 3584),
-          (100, 130, 1024), (256, 1024, 512), (1000, 384, 768)]
+          (256, 136, 1024), (1000, 384, 768)]
 
 
 def _case(fmt, M, N, K, device="cuda", dtype=torch.bfloat16):
@@ -157,7 +157,7 @@ def test_kernel_matches_reference(fmt, M, N, K, perm) -> None:
     args = (q["weight_packed"], q["weight_scale"], fmt, q.get("weight_global_scale"))
     ref = fk.fp4_linear_reference(x, *args, out_dtype=torch.float32)
     xin = fk.permute_activation(x) if perm else x
-    for asm in (True, False):
+    for asm in ((True, False) if M in (3, 64) else (True,)):
         out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = fk.fp4_linear_triton(xin, *args, x_permuted=perm, out=out, use_asm=asm)
         assert not torch.isnan(y).any(), "unwritten output"

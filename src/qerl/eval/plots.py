@@ -31,7 +31,7 @@ def training_figures(metrics: pd.DataFrame) -> dict[str, plt.Figure]:
             a.set_ylabel(label)
             a.grid(alpha=0.3)
         fig.tight_layout()
-        figs[col] = fig
+        figs[f"{col}.png"] = fig
     overview.tight_layout()
-    figs["overview"] = overview
+    figs["overview.png"] = overview
     return figs

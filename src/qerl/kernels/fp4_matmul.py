@@ -30,7 +30,6 @@ the input is not on CUDA or Triton is missing).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 

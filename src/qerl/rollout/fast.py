@@ -32,7 +32,6 @@ generator (inverse-CDF over the sorted nucleus), so a run is reproducible given 
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -537,6 +536,7 @@ class FastEngine:
         self._state: _State | None = None
         self._pool = None
         self.last_stats: dict = {}
+        self.max_decode_steps: int | None = None  # benchmark warm-ups: stop early
 
     # -- plan ---------------------------------------------------------------------------------
 
@@ -608,9 +608,11 @@ class FastEngine:
         st.temp.fill_(1.0 if sp.greedy else float(sp.temperature))
         st.top_p.fill_(float(sp.top_p))
         st.pad_id.fill_(int(sp.pad_token_id))
-        eos = list(sp.eos_token_ids) or [-1]
+        eos = (list(sp.eos_token_ids) or [-1])[: st.eos.numel()]
+        if len(sp.eos_token_ids) > st.eos.numel():
+            raise ValueError(f"fast engine: at most {st.eos.numel()} EOS ids are supported")
         st.eos.fill_(-1)
-        st.eos[: len(eos)] = torch.tensor(eos[: st.eos.numel()], dtype=torch.long)
+        st.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
         st.u.zero_()
         st.u[:T].copy_(u)
         st.out_tok.fill_(int(sp.pad_token_id))
@@ -944,6 +946,8 @@ class FastEngine:
             self._capture(plan, st)
         steps = 0
         for t in range(1, T):
+            if self.max_decode_steps is not None and steps >= self.max_decode_steps:
+                break
             if st.graph is not None:
                 st.graph.replay()
             else:

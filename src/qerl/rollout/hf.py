@@ -67,6 +67,11 @@ class HFGenerateEngine:
         self, model: torch.nn.Module, prompts: list[list[int]], sp: SamplingParams, device: torch.device, offset: int
     ) -> RolloutBatch:
         ids, attn = left_pad(prompts, sp.pad_token_id, device)
+        n_return = sp.n
+        if sp.greedy and sp.n > 1:
+            # transformers refuses num_return_sequences > 1 without sampling: repeat the rows instead
+            ids, attn = ids.repeat_interleave(sp.n, dim=0), attn.repeat_interleave(sp.n, dim=0)
+            n_return = 1
         was_training = model.training
         model.eval()
         out = model.generate(
@@ -78,7 +83,7 @@ class HFGenerateEngine:
             top_k=0 if not sp.greedy else None,
             max_new_tokens=sp.max_new_tokens,
             min_new_tokens=0,
-            num_return_sequences=sp.n,
+            num_return_sequences=n_return,
             eos_token_id=list(sp.eos_token_ids) or None,
             pad_token_id=sp.pad_token_id,
             return_dict_in_generate=True,

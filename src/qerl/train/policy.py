@@ -179,6 +179,8 @@ def _without_lora(model: torch.nn.Module) -> torch.nn.Module:
     if not replacements:
         return model
     clone = _shallow_module_tree(model)
+    clone.__dict__.pop("peft_config", None)  # set on the wrapped model by peft
+    clone.__dict__.pop("_hf_peft_config_loaded", None)
     for name, layer in replacements:
         parent_name, _, child = name.rpartition(".")
         parent = clone.get_submodule(parent_name) if parent_name else clone

@@ -81,10 +81,9 @@ def validate_train_params(p: TrainParams, n_rounds: int | None = None) -> None:
     if n_rounds is not None and n_rounds != p.rl.steps:
         raise QerlConfigError(
             "qerl.rl.steps",
-            f"is {p.rl.steps} but the pipeline was unrolled into {n_rounds} steps when it was built "
-            "(the step count is read from the conf files at registry time; `--params` cannot change it)",
-            "set qerl.rl.steps in conf/<env>/parameters_qerl_train.yml, or run with QERL_STEPS=N in the "
-            "environment together with --params qerl.rl.steps=N",
+            f"is {p.rl.steps} but the pipeline was unrolled into {n_rounds} steps when it was built",
+            "run through `kedro run` (which builds the pipeline from the run's own parameters) or pass "
+            "steps=qerl.rl.steps to create_pipeline",
         )
 
 

@@ -24,22 +24,37 @@ from . import nodes as n
 DEFAULT_STEPS = 60
 
 
-def configured_steps(project_path: Path | None = None) -> int:
-    """``qerl.rl.steps`` from the project's conf (base + the run env), read at registry time.
+_CONTEXT_STEPS: int | None = None
 
-    ``QERL_STEPS`` (environment) overrides it, for one-off runs that also pass
-    ``--params qerl.rl.steps=N`` (Kedro builds pipelines before it reads ``--params``).
-    """
+
+def remember_configured_steps(config_loader: object) -> None:
+    """Called by the project hook once the Kedro context exists, *before* pipelines are built:
+    the config loader already holds the run's env and ``--params``, so
+    ``kedro run -e gpu_paper --params qerl.rl.steps=8`` unrolls exactly 8 steps."""
+    global _CONTEXT_STEPS
+    try:
+        _CONTEXT_STEPS = int(config_loader["parameters"]["qerl"]["rl"]["steps"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        _CONTEXT_STEPS = None
+
+
+def configured_steps(project_path: Path | None = None) -> int:
+    """``qerl.rl.steps`` of the current run (env + ``--params``) when a Kedro context exists,
+    else read from ``conf/base`` + ``conf/$KEDRO_ENV`` (e.g. ``kedro registry list`` without a run)."""
+    if _CONTEXT_STEPS is not None:
+        return _CONTEXT_STEPS
     from kedro.config import OmegaConfigLoader
 
-    if os.environ.get("QERL_STEPS"):
-        return int(os.environ["QERL_STEPS"])
-    root = Path(project_path or os.environ.get("QERL_PROJECT_PATH") or Path.cwd())
+    from qerl.settings import CONFIG_LOADER_ARGS
+
+    root = Path(project_path or Path.cwd())
     conf = root / "conf"
     if not conf.exists():
         return DEFAULT_STEPS
     env = os.environ.get("KEDRO_ENV", "local")
-    loader = OmegaConfigLoader(str(conf), base_env="base", default_run_env=env)
+    loader = OmegaConfigLoader(
+        str(conf), base_env="base", default_run_env=env, merge_strategy=CONFIG_LOADER_ARGS["merge_strategy"]
+    )
     try:
         return int(loader["parameters"]["qerl"]["rl"]["steps"])
     except (KeyError, TypeError):

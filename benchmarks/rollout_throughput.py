@@ -1,0 +1,355 @@
+"""Rollout throughput on one GPU: transformers ``generate`` vs our fast engine, per weight format.
+
+Random-initialised Qwen2.5 architectures (real sizes, built directly on the GPU; no downloads),
+prompts of 128 random tokens, sampling T=1.0 top-p 0.95, a fixed number of new tokens (no EOS),
+LoRA r=32 on all linear layers for the ``+ LoRA`` column.
+
+Rows: ``1.5b-64`` (B=64, N=256), ``7b-64`` (B=64, N=256), ``7b-256`` (B=256, N=128),
+``32b-32`` (B=32, N=128). Columns: ``hf_bf16``, ``hf_nf4`` (bitsandbytes), ``fast_bf16``,
+``fast_nvfp4``, ``fast_nvfp4_lora``, ``fast_mxfp4``. Per cell: tokens/s (B*N over prefill +
+decode), ms per decode step, peak GiB (the variant's weights + the run's peak extra allocation),
+and the floor of a decode step -- bytes that must move (weights in their format, LoRA, LM head,
+the KV cache at the mean context, logits) over the measured copy bandwidth, and FLOPs over the
+measured bf16 matmul rate -- with the ratio of the measured step to it.
+
+    python benchmarks/rollout_throughput.py --rows 7b-64,32b-32 --json out.json
+
+One model variant is resident at a time: bf16 -> (quantized in place) nvfp4 -> nvfp4 + LoRA ->
+mxfp4 (re-quantized layer by layer) -> nf4 (likewise).
+"""
+
+# ruff: noqa: B023, B007  (closures are called inside the loop iteration that made them)
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from qerl.rollout.base import SamplingParams  # noqa: E402
+from qerl.rollout.fast import FastEngine  # noqa: E402
+
+ARCH = {
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                tie_word_embeddings=False),
+}
+ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-256": ("7b", 256, 128),
+        "32b-32": ("32b", 32, 128)}
+COLUMNS = ["hf_bf16", "hf_nf4", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = 128
+GiB = 1 << 30
+
+
+def build_model(arch: str):
+    """A random bf16 Qwen2 of the given size, allocated directly on the GPU."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    cfg = Qwen2Config(**ARCH[arch], max_position_embeddings=32768, rope_theta=1e6,
+                      rms_norm_eps=1e-6, use_sliding_window=False, pad_token_id=0,
+                      bos_token_id=None, eos_token_id=None)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to_empty(device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.model.rotary_emb = Qwen2RotaryEmbedding(config=cfg, device="cuda")
+    model.config.use_cache = True
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model.eval()
+
+
+def _linears(model):
+    from torch import nn
+
+    for name, mod in model.named_modules():
+        if name.endswith(tuple(TARGETS)) and "lora" not in name:
+            yield name, mod
+    del nn
+
+
+def requantize_(model, to: str) -> None:
+    """Replace every QuantLinear by the same weight in another format (layer by layer)."""
+    from qerl.quant.linear import QuantLinear, set_submodule
+
+    for name, mod in list(_linears(model)):
+        w = mod.dequantize(torch.bfloat16)
+        b = mod.bias
+        if to == "nf4":
+            import bitsandbytes as bnb
+
+            new = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=b is not None,
+                                    compute_dtype=torch.bfloat16, quant_type="nf4",
+                                    compress_statistics=False, device="cuda")
+            new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4",
+                                           compress_statistics=False).to("cuda")
+            if b is not None:
+                new.bias = torch.nn.Parameter(b.detach().to(torch.bfloat16), requires_grad=False)
+        else:
+            new = QuantLinear.from_weight(w, b, to)
+        set_submodule(model, name, new)
+        del w, mod
+    torch.cuda.empty_cache()
+
+
+def model_bytes(model) -> int:
+    seen, n = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        n += t.numel() * t.element_size()
+    return n
+
+
+def weight_stream_bytes(model, arch: str, B: int, ctx: float, lora_r: int) -> tuple[int, int]:
+    """(bytes, flops) that one decode step must move / do at the given mean context."""
+    a = ARCH[arch]
+    H, V, L = a["hidden_size"], a["vocab_size"], a["num_hidden_layers"]
+    D = H // a["num_attention_heads"]
+    bytes_, params = 0, 0
+    for _, mod in _linears(model):
+        base = getattr(mod, "base_layer", mod)
+        if hasattr(base, "weight_packed"):
+            bytes_ += sum(t.numel() * t.element_size() for t in
+                          (base.weight_packed, base.weight_scale))
+        elif type(base).__name__ == "Linear4bit":
+            bytes_ += base.weight.numel() * base.weight.element_size()
+            qs = getattr(base.weight, "quant_state", None)
+            if qs is not None and getattr(qs, "absmax", None) is not None:
+                bytes_ += qs.absmax.numel() * qs.absmax.element_size()
+        else:
+            bytes_ += base.weight.numel() * base.weight.element_size()
+        params += base.in_features * base.out_features
+        if lora_r:
+            bytes_ += (base.in_features + base.out_features) * lora_r * 2
+            params += (base.in_features + base.out_features) * lora_r
+    bytes_ += V * H * 2  # lm head
+    kv = B * ctx * L * 2 * a["num_key_value_heads"] * D * 2
+    bytes_ += int(kv) + B * V * 2 * 2
+    flops = 2 * B * (params + V * H) + 4 * B * L * a["num_attention_heads"] * D * ctx
+    return bytes_, int(flops)
+
+
+def prompts(B: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (B, PROMPT), generator=g).tolist()
+
+
+def _timed(fn, warm_fn) -> tuple[dict, int]:
+    """Run ``warm_fn`` then ``fn``; return fn's result and the peak extra allocation of both."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    warm_fn()
+    res = fn()
+    torch.cuda.synchronize()
+    return res, torch.cuda.max_memory_allocated() - base
+
+
+def run_hf(model, B: int, N: int, vocab: int) -> dict:
+    ids = torch.tensor(prompts(B, vocab), device="cuda")
+    att = torch.ones_like(ids)
+    kw = dict(do_sample=True, temperature=1.0, top_p=0.95, top_k=0, max_new_tokens=N,
+              min_new_tokens=N, pad_token_id=0)
+
+    def warm():
+        model.generate(input_ids=ids[:, :16], attention_mask=att[:, :16],
+                       **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+
+    def run():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=att, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        new = out.shape[1] - ids.shape[1]
+        return {"tok_s": B * new / dt, "ms_step": dt / new * 1e3, "total_s": dt, "new_tokens": new}
+
+    res, extra = _timed(run, warm)
+    res["extra_peak"] = extra
+    return res
+
+
+def run_fast(model, B: int, N: int, vocab: int) -> dict:
+    eng = FastEngine()
+    sp = SamplingParams(n=1, temperature=1.0, top_p=0.95, max_new_tokens=N, eos_token_ids=(),
+                        pad_token_id=0)
+    ps = prompts(B, vocab)
+    info = {}
+
+    def warm():  # compiles the kernels and captures the graph (same shapes as the timed run)
+        t0 = time.perf_counter()
+        eng.max_decode_steps = 8
+        eng.generate(model, ps, sp, generator=torch.Generator().manual_seed(1))
+        eng.max_decode_steps = None
+        info["warmup_s"] = time.perf_counter() - t0
+
+    def run():
+        out = eng.generate(model, ps, sp, generator=torch.Generator().manual_seed(2))
+        st = eng.last_stats
+        n_new = int(out.completion_mask.sum(1).max())
+        total = st["prefill_s"] + st["decode_s"]
+        return {"tok_s": B * n_new / total,
+                "ms_step": st["decode_s"] / max(1, st["decode_steps"]) * 1e3,
+                "prefill_ms": st["prefill_s"] * 1e3, "total_s": total, "new_tokens": n_new,
+                "cuda_graph": st["cuda_graph"], "backend": st["backend"]}
+
+    res, extra = _timed(run, warm)
+    res.update(info)
+    res["extra_peak"] = extra
+    eng = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="7b-64,32b-32,7b-256,1.5b-64")
+    ap.add_argument("--columns", default=",".join(COLUMNS))
+    ap.add_argument("--json", default="rollout_throughput.json")
+    ap.add_argument("--new-tokens", type=int, default=None, help="override N (smoke runs)")
+    ap.add_argument("--hf-rows", default=None, help="rows that run the hf_* columns (default all)")
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fp4_matmul import copy_bandwidth, matmul_rate
+
+    cols = args.columns.split(",")
+    hf_rows = args.hf_rows.split(",") if args.hf_rows else None
+    bw, rate = copy_bandwidth(), matmul_rate()
+    dev = torch.cuda.get_device_name()
+    import transformers
+
+    results = {"device": dev, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "command": "python " + " ".join(sys.argv), "copy_bw": bw, "matmul_flops": rate,
+               "torch": torch.__version__, "transformers": transformers.__version__,
+               "prompt_len": PROMPT, "sampling": "T=1.0 top_p=0.95", "cells": []}
+    print(f"{dev}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+
+    def dump():
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+    for row in args.rows.split(","):
+        arch, B, N = ROWS[row]
+        N = args.new_tokens or N
+        V = ARCH[arch]["vocab_size"]
+        t0 = time.perf_counter()
+        model = build_model(arch)
+        print(f"[{row}] built {arch} in {time.perf_counter() - t0:.1f}s, "
+              f"{model_bytes(model) / GiB:.1f} GiB", flush=True)
+        run_hf_here = hf_rows is None or row in hf_rows
+
+        def record(col, fn, mdl, lora_r=0):
+            try:
+                res = fn()
+            except Exception as e:  # noqa: BLE001 - record and go on with the other cells
+                import traceback
+
+                traceback.print_exc()
+                res = {"error": f"{type(e).__name__}: {e}"[:300]}
+            ctx = PROMPT + N / 2
+            nbytes, flops = weight_stream_bytes(mdl, arch, B, ctx, lora_r)
+            cell = {"row": row, "arch": arch, "B": B, "N": N, "column": col, **res,
+                    "floor_bytes": nbytes, "floor_flops": flops,
+                    "floor_bw_ms": nbytes / bw * 1e3, "floor_flop_ms": flops / rate * 1e3}
+            cell["floor_ms"] = max(cell["floor_bw_ms"], cell["floor_flop_ms"])
+            if "ms_step" in res:
+                cell["ratio_to_floor"] = res["ms_step"] / cell["floor_ms"]
+                cell["peak_gib"] = (model_bytes(mdl) + res["extra_peak"]) / GiB
+            results["cells"].append(cell)
+            dump()
+            if "error" in res:
+                print(f"[{row}] {col}: ERROR {res['error']}", flush=True)
+            else:
+                print(f"[{row}] {col}: {res['tok_s']:.0f} tok/s, {res['ms_step']:.2f} ms/step, "
+                      f"peak {cell['peak_gib']:.1f} GiB, floor {cell['floor_ms']:.2f} ms "
+                      f"(bw {cell['floor_bw_ms']:.2f} / flop {cell['floor_flop_ms']:.2f}), "
+                      f"x{cell['ratio_to_floor']:.2f} of floor"
+                      + (f", prefill {res['prefill_ms']:.0f} ms, warm-up {res['warmup_s']:.1f}s"
+                         if "prefill_ms" in res else ""), flush=True)
+
+        if "hf_bf16" in cols and run_hf_here:
+            record("hf_bf16", lambda: run_hf(model, B, N, V), model)
+        if "fast_bf16" in cols:
+            record("fast_bf16", lambda: run_fast(model, B, N, V), model)
+        if any(c in cols for c in ("fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4", "hf_nf4")):
+            from qerl.quant.linear import quantize_model_
+
+            t0 = time.perf_counter()
+            quantize_model_(model, "nvfp4")
+            torch.cuda.empty_cache()
+            print(f"[{row}] nvfp4 in {time.perf_counter() - t0:.1f}s, "
+                  f"{model_bytes(model) / GiB:.1f} GiB", flush=True)
+        if "fast_nvfp4" in cols:
+            record("fast_nvfp4", lambda: run_fast(model, B, N, V), model)
+        if "fast_nvfp4_lora" in cols:
+            from peft import LoraConfig, get_peft_model
+
+            pm = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, target_modules=TARGETS,
+                                                  init_lora_weights=False))
+            pm.eval()
+            record("fast_nvfp4_lora", lambda: run_fast(pm, B, N, V), pm, lora_r=32)
+            model = pm.unload()
+            del pm
+            gc.collect()
+            torch.cuda.empty_cache()
+        if "fast_mxfp4" in cols or ("hf_nf4" in cols and run_hf_here):
+            requantize_(model, "mxfp4")
+            if "fast_mxfp4" in cols:
+                record("fast_mxfp4", lambda: run_fast(model, B, N, V), model)
+        if "hf_nf4" in cols and run_hf_here:
+            try:
+                import bitsandbytes  # noqa: F401
+
+                requantize_(model, "nf4")
+                record("hf_nf4", lambda: run_hf(model, B, N, V), model)
+            except ImportError as e:
+                print(f"[{row}] hf_nf4 skipped: {e}", flush=True)
+        model = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    print("\n| model | B | N | column | tok/s | ms/step | peak GiB | floor ms (bw / flop) | x floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in results["cells"]:
+        if "error" in c:
+            print(f"| {c['arch']} | {c['B']} | {c['N']} | {c['column']} | error | | | | |")
+            continue
+        print(f"| {c['arch']} | {c['B']} | {c['N']} | {c['column']} | {c['tok_s']:.0f} | "
+              f"{c['ms_step']:.2f} | {c['peak_gib']:.1f} | {c['floor_ms']:.2f} "
+              f"({c['floor_bw_ms']:.2f} / {c['floor_flop_ms']:.2f}) | {c['ratio_to_floor']:.2f} |")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
