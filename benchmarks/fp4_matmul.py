@@ -149,16 +149,46 @@ class ShapeSet:
 
 
 def sweep_configs(M: int):
+    """(SWAP, BM, BN, BKW, num_warps) candidates for one M."""
     if M <= 16:
-        cands = [(16, 64, 16, 4), (16, 128, 16, 4), (16, 128, 32, 4), (16, 256, 16, 8),
-                 (16, 64, 32, 4)]
-    elif M <= 64:
-        cands = [(64, 64, 16, 4), (64, 128, 16, 4), (64, 128, 16, 8), (64, 64, 32, 4),
-                 (64, 256, 16, 8)]
-    else:
-        cands = [(64, 128, 16, 8), (128, 128, 16, 8), (128, 64, 16, 4), (64, 256, 16, 8),
-                 (128, 256, 16, 8)]
-    return cands
+        return [(True, 16, 64, 32, 4), (True, 16, 128, 32, 4), (True, 16, 128, 64, 4),
+                (True, 16, 64, 64, 4), (True, 16, 128, 32, 8), (False, 16, 64, 32, 4),
+                (False, 16, 128, 32, 4)]
+    if M <= 64:
+        return [(True, 64, 64, 32, 4), (True, 64, 128, 32, 4), (True, 64, 128, 32, 8),
+                (True, 64, 64, 64, 4), (True, 64, 128, 64, 8), (False, 16, 64, 32, 4)]
+    return [(True, 128, 128, 32, 8), (True, 64, 128, 32, 4), (True, 128, 64, 32, 4),
+            (False, 16, 64, 32, 4)]
+
+
+SWEEP_SHAPES = ("q_proj", "gate_up", "down_proj")
+
+
+def choose_layout() -> None:
+    ok = True
+    for fmt in fk.FP4_FORMATS:
+        for M, N, K in ((1, 96, 256), (37, 264, 1024), (64, 3584, 3584)):
+            w = torch.randn(N, K, device="cuda") * 0.02
+            q = fk.quantize_fp4(w, fmt)
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            args = (q["weight_packed"], q["weight_scale"], fmt, q.get("weight_global_scale"))
+            ref = fk.fp4_linear_reference(x, *args, out_dtype=torch.float32)
+            y = fk.fp4_linear_triton(fk.permute_activation(x), *args, x_permuted=True).float()
+            rel = float((y - ref).norm() / ref.norm())
+            print(f"permuted {fmt} M={M} N={N} K={K}: rel err {rel:.2e}")
+            ok = ok and rel < 8e-3
+    tn = tp = 0.0
+    fk.reserve_workspace(torch.device("cuda"), 64, 18944)
+    for name, N, K, silu in SHAPES_7B:
+        if name not in SWEEP_SHAPES:
+            continue
+        ss = ShapeSet(N, K, silu, "nvfp4")
+        x = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
+        a = graph_time(ss.calls(x), replays=5)
+        b = graph_time(ss.calls(fk.permute_activation(x), perm=True), replays=5)
+        print(f"M=64 {name}: natural {a * 1e6:.1f} us, permuted {b * 1e6:.1f} us")
+        tn, tp = tn + a, tp + b
+    print("LAYOUT=" + ("permuted" if ok and tp < 0.95 * tn else "natural"))
 
 
 def main() -> None:
@@ -168,9 +198,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--ms", default="1,16,64,256")
     ap.add_argument("--sweep-ms", default="16,64", help="M values to sweep tile configs at")
-    ap.add_argument("--layouts", default="permuted", help="natural,permuted")
+    ap.add_argument("--layouts", default="natural", help="natural,permuted")
+    ap.add_argument("--choose-layout", action="store_true",
+                    help="check the permuted-x path and print LAYOUT=permuted if it is correct "
+                         "and faster than natural at M=64 on the 7B shapes, else LAYOUT=natural")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.choose_layout:
+        choose_layout()
+        return
     dev = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     rate = matmul_rate()
@@ -218,35 +254,44 @@ def main() -> None:
                       f"x{row['speedup_vs_bf16']:.2f} | flop floor {row['flop_floor_us']:.1f} us "
                       + " ".join(f"{k}={v['GBps']:.0f}" for k, v in per.items()), flush=True)
             if args.sweep and fmt == fmts[0] and str(M) in args.sweep_ms.split(","):
-                for perm in [v == "permuted" for v in args.layouts.split(",")]:
-                    best = None
-                    for BM, BN, BKW, nw in sweep_configs(M):
-                        for ns in (3,):
-                            cfg_t, ok = 0.0, True
-                            for name, N, K, silu in SHAPES_7B:
-                                ss = sets[name]
-                                tiles = -(-M // BM) * -(-N // BN)
-                                split = 1
-                                while tiles * split < 264 and split * 2 <= max(1, (K // 8) // (BKW * 4)):
-                                    split *= 2
-                                cfg = fk.Fp4Config(BM=BM, BN=BN, BKW=BKW, SPLIT_K=split,
-                                                   num_warps=nw, num_stages=ns)
-                                xin = xd if K == 18944 else x
-                                if perm:
-                                    xin = fk.permute_activation(xin)
-                                try:
-                                    cfg_t += graph_time(ss.calls(xin, cfg=cfg, perm=perm), replays=3)
-                                except Exception as e:  # noqa: BLE001
-                                    ok = False
-                                    print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
-                                    break
-                            if ok:
-                                rec = {"M": M, "perm": perm, "BM": BM, "BN": BN, "BKW": BKW,
-                                       "num_warps": nw, "num_stages": ns, "layer_us": cfg_t * 1e6}
-                                result["sweep"].append(rec)
-                                if best is None or cfg_t < best["layer_us"] / 1e6:
-                                    best = rec
-                    print(f"  sweep M={M} perm={perm}: best {best}", flush=True)
+                best = {}
+                for SW, BM, BN, BKW, nw in sweep_configs(M):
+                    cfg_t, ok = 0.0, True
+                    for name, N, K, silu in SHAPES_7B:
+                        if name not in SWEEP_SHAPES:
+                            continue
+                        ss = sets[name]
+                        tiles = -(-M // BM) * -(-N // BN)
+                        split = 1
+                        while tiles * split < 264 and split * 2 <= max(1, (K // 8) // (BKW * 2)):
+                            split *= 2
+                        cfg = fk.Fp4Config(BM=BM, BN=BN, BKW=BKW, SPLIT_K=split, num_warps=nw,
+                                           num_stages=3, SWAP=SW)
+                        xin = xd if K == 18944 else x
+                        n_failed = len(fk._FAILED_CONFIGS)
+                        try:
+                            t = graph_time(ss.calls(xin, cfg=cfg), replays=3)
+                        except Exception as e:  # noqa: BLE001
+                            print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                            ok = False
+                            break
+                        if len(fk._FAILED_CONFIGS) > n_failed:
+                            print(f"  config {cfg} did not compile")
+                            ok = False
+                            break
+                        cfg_t += t
+                        rec = {"M": M, "shape": name, "SWAP": SW, "BM": BM, "BN": BN, "BKW": BKW,
+                               "num_warps": nw, "SPLIT_K": split, "us": t * 1e6,
+                               "GBps": ss.bytes_fp4 / t / 1e9}
+                        result["sweep"].append(rec)
+                        key = (name,)
+                        if key not in best or t * 1e6 < best[key]["us"]:
+                            best[key] = rec
+                    if ok:
+                        print(f"  sweep M={M} SWAP={SW} BM={BM} BN={BN} BKW={BKW} warps={nw}: "
+                              f"{cfg_t * 1e6:.1f} us for {SWEEP_SHAPES}", flush=True)
+                for k, v in best.items():
+                    print(f"  best M={M} {k[0]}: {v}", flush=True)
         # prefill: fused kernel vs dequantize + cuBLAS
         for M in (1024, 8192):
             for name in ("gate_up", "down_proj"):

@@ -215,6 +215,7 @@ def run_fast(model, B: int, N: int, vocab: int) -> dict:
 
     def run():
         out = eng.generate(model, ps, sp, generator=torch.Generator().manual_seed(2))
+        info["out"] = out
         st = eng.last_stats
         n_new = int(out.completion_mask.sum(1).max())
         total = st["prefill_s"] + st["decode_s"]
@@ -224,12 +225,33 @@ def run_fast(model, B: int, N: int, vocab: int) -> dict:
                 "cuda_graph": st["cuda_graph"], "backend": st["backend"]}
 
     res, extra = _timed(run, warm)
+    out = info.pop("out")
     res.update(info)
     res["extra_peak"] = extra
+    if CHECK:
+        res["check_mean_abs_dlogprob"] = teacher_forced_gap(model, ps, out)
     eng = None
     gc.collect()
     torch.cuda.empty_cache()
     return res
+
+
+CHECK = False
+
+
+@torch.no_grad()
+def teacher_forced_gap(model, ps, out, rows: int = 4) -> float:
+    """Mean |engine log-prob - log-prob from one transformers forward pass| over ``rows`` rows."""
+    ids = torch.tensor([ps[i] + out.completion_ids[i].tolist() for i in range(rows)], device="cuda")
+    logits = model(input_ids=ids).logits.float()
+    P = len(ps[0])
+    T = out.completion_ids.shape[1]
+    lp = torch.log_softmax(logits[:, P - 1:P - 1 + T], dim=-1)
+    ref = lp.gather(-1, out.completion_ids[:rows].to("cuda").unsqueeze(-1)).squeeze(-1).cpu()
+    gap = float((ref - out.logprobs[:rows]).abs().mean())
+    print(f"    teacher-forced check: mean |d logprob| = {gap:.4f} over {rows} rows x {T} tokens",
+          flush=True)
+    return gap
 
 
 def main() -> None:
@@ -239,7 +261,11 @@ def main() -> None:
     ap.add_argument("--json", default="rollout_throughput.json")
     ap.add_argument("--new-tokens", type=int, default=None, help="override N (smoke runs)")
     ap.add_argument("--hf-rows", default=None, help="rows that run the hf_* columns (default all)")
+    ap.add_argument("--check", action="store_true",
+                    help="compare the engine's log-probs with a transformers forward pass")
     args = ap.parse_args()
+    global CHECK
+    CHECK = args.check
     sys.path.insert(0, os.path.dirname(__file__))
     from fp4_matmul import copy_bandwidth, matmul_rate
 

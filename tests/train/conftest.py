@@ -11,6 +11,9 @@ import torch
 
 torch.set_num_threads(1)
 
+#: EOS ids that end about one sampled token in eight (1 = the tokenizer's own <eos>).
+MANY_EOS = (1, *range(20, 27))
+
 #: Small LoRA so the tests stay fast; all seven projections are still wrapped.
 LORA = {"r": 4, "alpha": 8}
 
@@ -26,15 +29,23 @@ def randomize_lora(policy, seed: int = 0, std: float = 0.05) -> None:
 
 @pytest.fixture
 def make_policy(tiny_model_dir: Path) -> Callable[..., object]:
-    """``make(fmt="nvfp4", lora_seed=None) -> Policy`` on CPU/float32 (adapter randomised if a seed is given)."""
+    """``make(fmt="nvfp4", lora_seed=None, eos=None) -> Policy`` on CPU/float32.
+
+    ``lora_seed`` randomises the adapter; ``eos`` (token ids) replaces the model config's EOS ids, so
+    that a random tiny model ends some completions early (it almost never samples the real EOS).
+    """
     from qerl.train.policy import PolicySpec, build_policy
 
-    def make(fmt: str = "nvfp4", lora_seed: int | None = None, **spec_kwargs: object):
+    def make(fmt: str = "nvfp4", lora_seed: int | None = None, eos: tuple[int, ...] | None = None,
+             **spec_kwargs: object):
         spec = PolicySpec(model_path=str(tiny_model_dir), format=fmt, device="cpu", lora=dict(LORA), **spec_kwargs)
         policy, report = build_policy(spec)
         assert report, "build_policy returned an empty quantization report"
         if lora_seed is not None:
             randomize_lora(policy, lora_seed)
+        if eos is not None:
+            policy.model.config.eos_token_id = list(eos)
+            assert set(policy.eos_token_ids) >= set(eos)
         return policy
 
     return make
@@ -62,6 +73,11 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
     )
+
+
+@pytest.fixture
+def many_eos() -> tuple[int, ...]:
+    return MANY_EOS
 
 
 @pytest.fixture

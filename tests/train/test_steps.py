@@ -8,6 +8,7 @@ adapter, with prompts of different lengths in one batch.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -26,6 +27,7 @@ from qerl.train.steps import (
     NonFiniteError,
     RolloutConfig,
     UpdateConfig,
+    _mix,  # the update's minibatch order, to place a bad row last
     encode_prompts,
     make_batch,
     rollout_step,
@@ -51,7 +53,6 @@ METRIC_KEYS = [
 ]
 
 
-@register_reward("test_value")
 def _value_reward(scale: float = 1.0):
     """Reward = the completion parsed as a number (test-only registration)."""
 
@@ -61,12 +62,35 @@ def _value_reward(scale: float = 1.0):
     return fn
 
 
-@register_reward("test_text_len")
 def _text_len_reward():
     def fn(prompts, completions, **columns):
         return [float(len(c)) for c in completions]
 
     return fn
+
+
+def _metadata_reward():
+    def fn(prompts, completions, metadata=None, **columns):
+        if metadata is None:
+            return [0.0] * len(completions)
+        return [float(m.get("bonus", 0)) for m in metadata]
+
+    return fn
+
+
+TEST_REWARDS = {"test_value": _value_reward, "test_text_len": _text_len_reward, "test_metadata_bonus": _metadata_reward}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered_test_rewards():
+    """Register the test-only rewards for this module, and take them out of the registry afterwards."""
+    from qerl.rewards import base
+
+    for name, factory in TEST_REWARDS.items():
+        register_reward(name)(factory)
+    yield
+    for name in TEST_REWARDS:
+        base._REGISTRY.pop(name, None)
 
 
 # ------------------------------------------------------------------ helpers
@@ -283,10 +307,12 @@ def test_hf_engine_greedy_equals_plain_generate(make_policy, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["none", "nvfp4"])
-def test_rollout_logprobs_equal_trainer_logprobs_without_noise(make_policy, prompts_table, fmt: str) -> None:
-    policy = make_policy(fmt, lora_seed=3)
+def test_rollout_logprobs_equal_trainer_logprobs_without_noise(make_policy, prompts_table, many_eos, fmt: str) -> None:
+    policy = make_policy(fmt, lora_seed=3, eos=many_eos)
     temperature = 0.9
     table = rollout_step(policy, prompts_table, 2, 0.0, _rcfg(temperature=temperature), HFGenerateEngine(), seed=5)
+    # prompts and completions of different lengths: both paddings of make_batch are exercised
+    assert table["prompt_tokens"].nunique() == 3 and table["completion_tokens"].nunique() > 1
     logp, batch = _trainer_logprobs(policy, table, temperature)
     m = batch["mask"].bool()
     assert int(m.sum()) == int(table["completion_tokens"].sum())
@@ -298,8 +324,8 @@ def test_rollout_logprobs_equal_trainer_logprobs_without_noise(make_policy, prom
         torch.testing.assert_close(torch.tensor(list(row["logprobs"]), dtype=torch.float32), ref, atol=1e-4, rtol=0)
 
 
-def test_rollout_step_table(make_policy, prompts_table) -> None:
-    policy = make_policy("nvfp4", lora_seed=0)
+def test_rollout_step_table(make_policy, prompts_table, many_eos) -> None:
+    policy = make_policy("nvfp4", lora_seed=0, eos=many_eos)
     G = 4
     table = rollout_step(policy, prompts_table, 3, 0.0, _rcfg(group_size=G), HFGenerateEngine(), seed=0)
     assert set(ROLLOUT_COLUMNS) <= set(table.columns)
@@ -315,18 +341,20 @@ def test_rollout_step_table(make_policy, prompts_table) -> None:
         assert list(row["prompt_ids"]) == policy.tokenizer(row["prompt"])["input_ids"]
         assert row["prompt_tokens"] == len(row["prompt_ids"])
         assert row["completion_tokens"] == len(row["completion_ids"]) == len(row["logprobs"]) >= 1
-        assert row["truncated"] == (row["completion_tokens"] == 6 and 1 not in list(row["completion_ids"]))
+        ends = [t in many_eos for t in row["completion_ids"]]
+        assert row["truncated"] == (not any(ends))
+        assert row["truncated"] or ends.index(True) == len(ends) - 1  # ends at its first EOS
         assert math.isclose(row["sum_logprob"], float(sum(row["logprobs"])), rel_tol=1e-6, abs_tol=1e-6)
         assert row["mean_entropy"] > 0
         assert "<eos>" not in row["completion"] and "<pad>" not in row["completion"]
+    assert 0 < table["truncated"].sum() < len(table)
+    assert table.loc[table["truncated"], "completion_tokens"].eq(6).all()
     # deterministic in (seed, step); another step samples differently
     again = rollout_step(policy, prompts_table, 3, 0.0, _rcfg(group_size=G), HFGenerateEngine(), seed=0)
     assert list(again["completion_ids"].map(list)) == list(table["completion_ids"].map(list))
     other = rollout_step(policy, prompts_table, 4, 0.0, _rcfg(group_size=G), HFGenerateEngine(), seed=0)
     assert list(other["completion_ids"].map(list)) != list(table["completion_ids"].map(list))
     # the table survives a parquet round trip (it is persisted by StepTableDataset)
-    import io
-
     buf = io.BytesIO()
     table.to_parquet(buf, index=False)
     back = pd.read_parquet(io.BytesIO(buf.getvalue()))
@@ -346,7 +374,7 @@ def test_rollout_step_noise_reaches_rollouts_and_weights_come_back(make_policy, 
     # the first token of every row is sampled from the same prompt and the same random stream: where
     # clean and noisy picked the same token its log-prob still differs (the norm weights were noised)
     same_first = [(c[0], n[0]) for c, n, a, b in zip(clean["logprobs"], noisy["logprobs"], clean["completion_ids"],
-                                                        noisy["completion_ids"]) if a[0] == b[0]]
+                                                        noisy["completion_ids"], strict=True) if a[0] == b[0]]
     assert same_first and all(abs(c - n) > 1e-6 for c, n in same_first)
     # the clean trainer sees the noisy rollouts with a gap (the gap that sigma = 0 does not have)
     logp, batch = _trainer_logprobs(policy, noisy, 1.0)
@@ -390,7 +418,7 @@ def test_score_step_rewards_and_group_advantages() -> None:
                 "score_seconds"):
         assert col in scored.columns
     values = np.array([float(c) for c in rollouts["completion"]])
-    match = np.array([1.0 if c == a else 0.0 for c, a in zip(rollouts["completion"], rollouts["answer"])])
+    match = np.array([1.0 if c == a else 0.0 for c, a in zip(rollouts["completion"], rollouts["answer"], strict=True)])
     np.testing.assert_allclose(scored["reward_test_value"], values)
     np.testing.assert_allclose(scored["reward_exact_match"], 0.5 * 2.0 * match)  # weight * default reward 2.0
     total = values + match
@@ -411,6 +439,21 @@ def test_score_step_rewards_and_group_advantages() -> None:
     assert list(dyn["kept"]) == [True] * 4 + [False] * 4 + [True] * 4
 
 
+def test_score_step_metadata_is_optional_and_parsed() -> None:
+    rollouts = _synthetic_rollouts()
+    fns = build_rewards([{"name": "test_metadata_bonus"}, {"name": "test_value"}])
+    rollouts["metadata"] = [json.dumps({"bonus": i % 2}) for i in range(12)]
+    scored = score_step(rollouts, fns, group_size=4)
+    assert list(scored["reward_test_metadata_bonus"]) == [float(i % 2) for i in range(12)]
+    # re-scoring a table that has no metadata column at all (the column is optional)
+    scored = score_step(rollouts.drop(columns=["metadata", "task"]), fns, group_size=4)
+    assert list(scored["reward_test_metadata_bonus"]) == [0.0] * 12
+    assert list(scored["reward"]) == [float(c) for c in rollouts["completion"]]
+    # metadata already parsed (an in-memory table) is passed through, not dropped
+    rollouts["metadata"] = [{"bonus": 3}] * 12
+    assert list(score_step(rollouts, fns, group_size=4)["reward_test_metadata_bonus"]) == [3.0] * 12
+
+
 def test_score_step_reward_errors() -> None:
     rollouts = _synthetic_rollouts()
     rollouts.loc[5, "completion"] = "not a number"
@@ -424,10 +467,11 @@ def test_score_step_reward_errors() -> None:
 # ------------------------------------------------------------------ update_step
 
 
-def test_update_step_changes_only_lora_and_reports_metrics(make_policy, prompts_table, tmp_path) -> None:
-    policy = make_policy("nvfp4", lora_seed=4)
+def test_update_step_changes_only_lora_and_reports_metrics(make_policy, prompts_table, many_eos, tmp_path) -> None:
+    policy = make_policy("nvfp4", lora_seed=4, eos=many_eos)
     state = _state(policy, tmp_path)
     scored = _scored(policy, prompts_table)
+    assert scored["completion_tokens"].nunique() > 1  # right-padded completions in the trainer batch
     lora0, base0 = _lora_and_base(policy)
     m = update_step(policy, state, scored, _ucfg(), temperature=1.0)
     lora1, base1 = _lora_and_base(policy)
@@ -459,8 +503,8 @@ def test_update_step_changes_only_lora_and_reports_metrics(make_policy, prompts_
     assert state.scheduler.last_epoch == 1
 
 
-def test_update_step_epochs_and_minibatches_step_the_optimizer(make_policy, prompts_table, tmp_path) -> None:
-    policy = make_policy("nvfp4", lora_seed=4)
+def test_update_step_epochs_and_minibatches_step_the_optimizer(make_policy, prompts_table, many_eos, tmp_path) -> None:
+    policy = make_policy("nvfp4", lora_seed=4, eos=many_eos)
     state = _state(policy, tmp_path, steps_per_step=4)
     scored = _scored(policy, prompts_table)
     update_step(policy, state, scored, _ucfg(epochs=2, minibatches=2), temperature=1.0)
@@ -468,8 +512,8 @@ def test_update_step_epochs_and_minibatches_step_the_optimizer(make_policy, prom
     assert all(int(s["step"]) == 4 for s in state.optimizer.state.values())
 
 
-def test_update_step_with_nothing_kept_leaves_weights(make_policy, prompts_table, tmp_path, helpers) -> None:
-    policy = make_policy("nvfp4", lora_seed=4)
+def test_update_step_with_nothing_kept_leaves_weights(make_policy, prompts_table, many_eos, tmp_path, helpers) -> None:
+    policy = make_policy("nvfp4", lora_seed=4, eos=many_eos)
     state = _state(policy, tmp_path)
     scored = _scored(policy, prompts_table).assign(kept=False)
     before = helpers.snapshot(policy.model)
@@ -477,6 +521,50 @@ def test_update_step_with_nothing_kept_leaves_weights(make_policy, prompts_table
     after = helpers.snapshot(policy.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert m["skipped_nonfinite"] == 0 and m["groups_kept"] == 0 and "loss" not in m
+
+
+def test_update_step_metrics_with_a_prompt_drawn_twice(make_policy, many_eos, tmp_path) -> None:
+    # select_prompts can draw the same prompt twice in one step (a slice across an epoch boundary)
+    prompts = pd.DataFrame({"id": ["p0", "p1", "p0"], "prompt": ["1 + 2 =", "a b c", "1 + 2 ="], "answer": "3"})
+    policy = make_policy("nvfp4", lora_seed=4, eos=many_eos)
+    state = _state(policy, tmp_path)
+    scored = _scored(policy, prompts)
+    assert list(scored["prompt_id"]) == ["p0"] * 4 + ["p1"] * 4 + ["p0"] * 4
+    m = update_step(policy, state, scored, _ucfg(), temperature=1.0)
+    assert m["groups_kept"] == 3
+    groups = scored["reward"].to_numpy(dtype=float).reshape(3, 4)
+    assert m["zero_std_group_frac"] == pytest.approx(float((groups.std(1) == 0).mean()))
+
+
+def test_update_step_bad_late_minibatch_rolls_the_whole_step_back(make_policy, prompts_table, many_eos, tmp_path,
+                                                                 helpers) -> None:
+    policy = make_policy("nvfp4", lora_seed=4, eos=many_eos)
+    n = 12
+    state = _state(policy, tmp_path, steps_per_step=n)
+    scored = _scored(policy, prompts_table)
+    cfg = _ucfg(minibatches=n)  # one row per minibatch
+    update_step(policy, state, scored, _ucfg(), temperature=1.0)  # a good step first: optimizer state exists
+    state.step = 1
+    lora = {k: v.clone() for k, v in policy.model.state_dict().items() if "lora_" in k}
+    opt = {i: {k: v.clone() for k, v in s.items()} for i, s in state.optimizer.state_dict()["state"].items()}
+    epoch, lr = state.scheduler.last_epoch, state.optimizer.param_groups[0]["lr"]
+
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(cfg.seed, state.step + 1, 3)))
+    bad = scored.copy()
+    bad.loc[int(order[-1]), "advantage"] = float("nan")  # the last minibatch; 11 good ones run before it
+    m = update_step(policy, state, bad, cfg, temperature=1.0)
+
+    assert m["skipped_nonfinite"] == 1 and state.bad_steps_in_row == 1
+    assert "loss" not in m and "grad_norm" not in m
+    now = {k: v for k, v in policy.model.state_dict().items() if "lora_" in k}
+    assert all(helpers.bit_equal(now[k], lora[k]) for k in lora), "a skipped step left partial updates behind"
+    assert state.scheduler.last_epoch == epoch and state.optimizer.param_groups[0]["lr"] == lr
+    now_opt = state.optimizer.state_dict()["state"]
+    assert now_opt.keys() == opt.keys()
+    assert all(torch.equal(now_opt[i][k], v) for i, s in opt.items() for k, v in s.items())
+    # and the restored optimizer still trains
+    m = update_step(policy, state, scored, cfg, temperature=1.0)
+    assert m["skipped_nonfinite"] == 0 and state.scheduler.last_epoch == epoch + n
 
 
 def _nan_advantage(scored: pd.DataFrame) -> pd.DataFrame:
@@ -495,9 +583,9 @@ def _nan_old_logprobs(scored: pd.DataFrame) -> pd.DataFrame:
 
 @pytest.mark.parametrize("corrupt", [_nan_advantage, _nan_old_logprobs], ids=["nan_advantage", "nan_old_logprobs"])
 def test_update_step_skips_nonfinite_and_gives_up_after_max_bad_steps(
-    make_policy, prompts_table, tmp_path, helpers, corrupt
+    make_policy, prompts_table, many_eos, tmp_path, helpers, corrupt
 ) -> None:
-    policy = make_policy("nvfp4", lora_seed=4)
+    policy = make_policy("nvfp4", lora_seed=4, eos=many_eos)
     state = _state(policy, tmp_path)
     scored = _scored(policy, prompts_table)
     bad = corrupt(scored)

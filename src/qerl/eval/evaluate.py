@@ -88,7 +88,7 @@ def evaluate_policy(
 def _decode(policy: Policy, batch: Any) -> list[str]:
     lengths = batch.completion_lengths.tolist()
     texts = policy.tokenizer.batch_decode(
-        [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths)], skip_special_tokens=False
+        [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths, strict=False)], skip_special_tokens=False
     )
     for tok in (policy.tokenizer.eos_token, policy.tokenizer.pad_token):
         if tok:

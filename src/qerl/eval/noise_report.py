@@ -33,7 +33,7 @@ def probe_logits(model: torch.nn.Module, seqs: list[list[int]], n_prompt: list[i
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits.float().cpu()
     width = ids.shape[1]
     mask = torch.zeros(ids.shape[0], width)
-    for i, (s, p) in enumerate(zip(seqs, n_prompt)):
+    for i, (s, p) in enumerate(zip(seqs, n_prompt, strict=False)):
         start = width - len(s)
         # logits at position t predict token t+1: completion tokens are predicted from p-1 .. len-2
         mask[i, start + p - 1 : width - 1] = 1
@@ -45,7 +45,7 @@ def build_probe(fp_model: torch.nn.Module, tokenizer: Any, prompts: list[str], m
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     sp = SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad)
     out = HFGenerateEngine().generate(fp_model, ids, sp)
-    seqs = [p + row[:n].tolist() for p, row, n in zip(ids, out.completion_ids, out.completion_lengths.tolist())]
+    seqs = [p + row[:n].tolist() for p, row, n in zip(ids, out.completion_ids, out.completion_lengths.tolist(), strict=False)]
     return seqs, [len(p) for p in ids]
 
 

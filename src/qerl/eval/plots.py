@@ -20,7 +20,7 @@ def training_figures(metrics: pd.DataFrame) -> dict[str, plt.Figure]:
     """One figure per curve (reward, entropy, sigma, KL) plus an overview grid."""
     figs: dict[str, plt.Figure] = {}
     overview, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax_all, (col, label) in zip(axes.flat, PANELS):
+    for ax_all, (col, label) in zip(axes.flat, PANELS, strict=False):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for a in (ax, ax_all):
             if col in metrics and metrics[col].notna().any():

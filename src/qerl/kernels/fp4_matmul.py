@@ -30,6 +30,7 @@ the input is not on CUDA or Triton is missing).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -235,7 +236,7 @@ def fp4_linear_reference(
 # ----------------------------------------------------------------------------------------------
 
 #: default activation layout for the engine's decode path (set from the H200 micro-benchmark).
-PERMUTED_X_DEFAULT = os.environ.get("QERL_FP4_PERMUTED_X", "1") == "1"
+PERMUTED_X_DEFAULT = os.environ.get("QERL_FP4_PERMUTED_X", "0") == "1"
 #: use the inline-PTX decode (False: portable pure-Triton decode, also what the interpreter runs).
 USE_ASM_DEFAULT = os.environ.get("QERL_FP4_ASM", "1") == "1"
 
@@ -250,6 +251,12 @@ class Fp4Config:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    SWAP: bool = False  # weights as the MMA's A operand (acc^T = W x^T): skinny-M decode
+
+
+#: a configuration seen compiling and passing on the H200 for every M (the fallback).
+SAFE_CONFIG = Fp4Config(BM=16, BN=64, BKW=16, SPLIT_K=1, num_warps=4, num_stages=3, SWAP=False)
+_FAILED_CONFIGS: set = set()
 
 
 if HAS_TRITON:
@@ -342,6 +349,55 @@ if HAS_TRITON:
         )
 
     @triton.jit
+    def _dequant8_asm_impure(q, s):
+        """As :func:`_dequant8_asm` but not rematerialisable: the permuted-x path consumes the 8
+        results by 8 different dots, and the compiler's layout rematerialisation of a
+        multi-result asm op gave wrong results there (H200, Triton 3.6)."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 q, t, m, r0, r1, r2, r3, s2;
+            .reg .b16 sh;
+            mov.b32 q, $8;
+            mov.b16 sh, $9;
+            mov.b32 s2, {sh, sh};
+            shl.b32 t, q, 12;
+            and.b32 m, t, 0x70007000;
+            shr.b32 m, m, 6;
+            and.b32 t, t, 0x80008000;
+            or.b32 r0, m, t;
+            shl.b32 t, q, 8;
+            and.b32 m, t, 0x70007000;
+            shr.b32 m, m, 6;
+            and.b32 t, t, 0x80008000;
+            or.b32 r1, m, t;
+            shl.b32 t, q, 4;
+            and.b32 m, t, 0x70007000;
+            shr.b32 m, m, 6;
+            and.b32 t, t, 0x80008000;
+            or.b32 r2, m, t;
+            and.b32 m, q, 0x70007000;
+            shr.b32 m, m, 6;
+            and.b32 t, q, 0x80008000;
+            or.b32 r3, m, t;
+            mul.rn.bf16x2 r0, r0, s2;
+            mul.rn.bf16x2 r1, r1, s2;
+            mul.rn.bf16x2 r2, r2, s2;
+            mul.rn.bf16x2 r3, r3, s2;
+            mov.b32 {$0, $4}, r0;
+            mov.b32 {$1, $5}, r1;
+            mov.b32 {$2, $6}, r2;
+            mov.b32 {$3, $7}, r3;
+            }
+            """,
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            args=[q, s],
+            dtype=(tl.bfloat16,) * 8,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
     def _e2m1_code_to_f32(c):
         mag = c & 7
         e = mag >> 1
@@ -368,7 +424,13 @@ if HAS_TRITON:
         return tl.reshape(tl.join(a, b), (BN, BKW * 8))
 
     @triton.jit
-    def _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, nj, J: tl.constexpr):
+    def _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, nj, J: tl.constexpr,
+                  SWAP: tl.constexpr):
+        if SWAP:
+            xmask = (offs_m[None, :] < M) & (ww[:, None] < w_hi)
+            xj = tl.load(x_ptr + offs_m[None, :] * sxm + (J * KW + ww)[:, None], mask=xmask,
+                         other=0.0)
+            return tl.dot(nj, xj, acc)
         xmask = (offs_m[:, None] < M) & (ww[None, :] < w_hi)
         xj = tl.load(x_ptr + offs_m[:, None] * sxm + (J * KW + ww)[None, :], mask=xmask, other=0.0)
         return tl.dot(xj, tl.trans(nj), acc)
@@ -376,7 +438,7 @@ if HAS_TRITON:
     @triton.jit
     def _fp4_acc(acc, x_ptr, sxm, w_ptr, swn, s_ptr, ssn, offs_m, offs_n, M, N, KW, NG, w_lo, w_hi,
                  W_SPLIT, FMT: tl.constexpr, GW: tl.constexpr, USE_ASM: tl.constexpr,
-                 PERM_X: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+                 PERM_X: tl.constexpr, SWAP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
         offs_w = tl.arange(0, BKW)
         offs_k = tl.arange(0, BKW * 8)
         n64 = offs_n[:, None].to(tl.int64)
@@ -386,24 +448,34 @@ if HAS_TRITON:
             q = tl.load(w_ptr + n64 * swn + ww[None, :], mask=wmask, other=0)
             sv = _scale_tile(s_ptr, ssn, offs_n, N, kw // GW, NG, GW, BN, BKW, FMT, USE_ASM)
             if USE_ASM:
-                n0, n1, n2, n3, n4, n5, n6, n7 = _dequant8_asm(q, sv.to(tl.bfloat16))
+                if PERM_X:
+                    n0, n1, n2, n3, n4, n5, n6, n7 = _dequant8_asm_impure(q, sv.to(tl.bfloat16))
+                else:
+                    n0, n1, n2, n3, n4, n5, n6, n7 = _dequant8_asm(q, sv.to(tl.bfloat16))
             else:
                 n0, n1, n2, n3, n4, n5, n6, n7 = _dequant8_pure(q, sv, x_ptr.dtype.element_ty)
             if PERM_X:
-                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n0, 0)
-                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n1, 1)
-                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n2, 2)
-                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n3, 3)
-                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n4, 4)
-                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n5, 5)
-                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n6, 6)
-                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n7, 7)
+                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n0, 0, SWAP)
+                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n1, 1, SWAP)
+                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n2, 2, SWAP)
+                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n3, 3, SWAP)
+                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n4, 4, SWAP)
+                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n5, 5, SWAP)
+                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n6, 6, SWAP)
+                acc = _dot_perm(acc, x_ptr, sxm, offs_m, M, KW, ww, w_hi, n7, 7, SWAP)
             else:
                 wt = _interleave8(n0, n1, n2, n3, n4, n5, n6, n7, BN, BKW)
                 kk = kw * 8 + offs_k
-                xmask = (offs_m[:, None] < M) & (kk[None, :] < w_hi * 8)
-                xt = tl.load(x_ptr + offs_m[:, None] * sxm + kk[None, :], mask=xmask, other=0.0)
-                acc = tl.dot(xt, tl.trans(wt), acc)
+                if SWAP:  # acc [BN, BM] = W [BN, BK] @ x^T [BK, BM]: weights are the MMA's A
+                    xmask = (offs_m[None, :] < M) & (kk[:, None] < w_hi * 8)
+                    xt = tl.load(x_ptr + offs_m[None, :] * sxm + kk[:, None], mask=xmask,
+                                 other=0.0)
+                    acc = tl.dot(wt, xt, acc)
+                else:
+                    xmask = (offs_m[:, None] < M) & (kk[None, :] < w_hi * 8)
+                    xt = tl.load(x_ptr + offs_m[:, None] * sxm + kk[None, :], mask=xmask,
+                                 other=0.0)
+                    acc = tl.dot(xt, tl.trans(wt), acc)
         return acc
 
     @triton.jit
@@ -457,7 +529,7 @@ if HAS_TRITON:
         FMT: tl.constexpr, GW: tl.constexpr, USE_ASM: tl.constexpr, PERM_X: tl.constexpr,
         PERM_OUT: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr, RP: tl.constexpr, SPLIT_K: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, SWAP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -469,41 +541,61 @@ if HAS_TRITON:
         w_lo = pid_k * W_PER_SPLIT
         w_hi = tl.minimum(w_lo + W_PER_SPLIT, KW)
 
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc = _fp4_acc(acc, x_ptr, sxm, w_ptr, swn, s_ptr, ssn, offs_m, offs_n, M, N, KW, NG,
-                       w_lo, w_hi, W_PER_SPLIT, FMT, GW, USE_ASM, PERM_X, BN, BKW)
+                       w_lo, w_hi, W_PER_SPLIT, FMT, GW, USE_ASM, PERM_X, SWAP, BN, BKW)
+        if SWAP:
+            acc = tl.trans(acc)
         if SILU:
-            acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+            if SWAP:
+                acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+            else:
+                acc2 = tl.zeros((BM, BN), dtype=tl.float32)
             acc2 = _fp4_acc(acc2, x_ptr, sxm, w2_ptr, swn, s2_ptr, ssn, offs_m, offs_n, M, N, KW,
-                            NG, w_lo, w_hi, W_PER_SPLIT, FMT, GW, USE_ASM, PERM_X, BN, BKW)
+                            NG, w_lo, w_hi, W_PER_SPLIT, FMT, GW, USE_ASM, PERM_X, SWAP, BN, BKW)
+            if SWAP:
+                acc2 = tl.trans(acc2)
         else:
             acc2 = acc
         mn_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         if SPLIT_K > 1:
-            # every split adds its partial into a zeroed fp32 workspace; the last one to arrive
-            # (per output tile) finishes the tile and leaves the workspace and counter zeroed.
+            # split-K: each split stores its fp32 partial tile (no atomics); the reduction and
+            # the epilogue run in _fp4_splitk_finish_kernel right after, in the same stream.
             ws_off = offs_m[:, None] * N + offs_n[None, :]
-            tl.atomic_add(ws_ptr + ws_off, acc, mask=mn_mask, sem="relaxed")
+            tl.store(ws_ptr + pid_k * M * N + ws_off, acc, mask=mn_mask)
             if SILU:
-                tl.atomic_add(ws_ptr + M * N + ws_off, acc2, mask=mn_mask, sem="relaxed")
-            count = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-            if count == SPLIT_K - 1:
-                zero = tl.zeros((BM, BN), dtype=tl.float32)
-                tot = tl.load(ws_ptr + ws_off, mask=mn_mask, other=0.0, cache_modifier=".cg")
-                tl.store(ws_ptr + ws_off, zero, mask=mn_mask)
-                tot2 = tot
-                if SILU:
-                    tot2 = tl.load(ws_ptr + M * N + ws_off, mask=mn_mask, other=0.0,
-                                   cache_modifier=".cg")
-                    tl.store(ws_ptr + M * N + ws_off, zero, mask=mn_mask)
-                tl.atomic_xchg(cnt_ptr + pid, 0)
-                _finish(tot, tot2, gs_ptr, bias_ptr, xa_ptr, sxa, lb_ptr, slb, gs2_ptr, bias2_ptr,
-                        xa2_ptr, lb2_ptr, y_ptr, sym, offs_m, offs_n, mn_mask, M, N, R, FMT,
-                        HAS_BIAS, HAS_LORA, RP, SILU, PERM_OUT)
+                tl.store(ws_ptr + (SPLIT_K + pid_k) * M * N + ws_off, acc2, mask=mn_mask)
         else:
             _finish(acc, acc2, gs_ptr, bias_ptr, xa_ptr, sxa, lb_ptr, slb, gs2_ptr, bias2_ptr,
                     xa2_ptr, lb2_ptr, y_ptr, sym, offs_m, offs_n, mn_mask, M, N, R, FMT,
                     HAS_BIAS, HAS_LORA, RP, SILU, PERM_OUT)
+
+    @triton.jit
+    def _fp4_splitk_finish_kernel(
+        ws_ptr, gs_ptr, bias_ptr, gs2_ptr, bias2_ptr, xa_ptr, sxa, lb_ptr, slb, xa2_ptr, lb2_ptr,
+        R, y_ptr, sym, M, N,
+        FMT: tl.constexpr, PERM_OUT: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_LORA: tl.constexpr, RP: tl.constexpr, SPLIT_K: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        mt = tl.cdiv(M, BM)
+        offs_m = (pid % mt) * BM + tl.arange(0, BM)
+        offs_n = (pid // mt) * BN + tl.arange(0, BN)
+        mn_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        ws_off = offs_m[:, None] * N + offs_n[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(SPLIT_K):
+            acc += tl.load(ws_ptr + k * M * N + ws_off, mask=mn_mask, other=0.0)
+            if SILU:
+                acc2 += tl.load(ws_ptr + (SPLIT_K + k) * M * N + ws_off, mask=mn_mask, other=0.0)
+        _finish(acc, acc2, gs_ptr, bias_ptr, xa_ptr, sxa, lb_ptr, slb, gs2_ptr, bias2_ptr,
+                xa2_ptr, lb2_ptr, y_ptr, sym, offs_m, offs_n, mn_mask, M, N, R, FMT,
+                HAS_BIAS, HAS_LORA, RP, SILU, PERM_OUT)
 
     @triton.jit
     def _fp4_dequant_kernel(w_ptr, swn, s_ptr, ssn, gs_ptr, out_ptr, son, N, KW, NG,
@@ -551,9 +643,16 @@ def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tens
     return ws, cnt
 
 
-def reserve_workspace(device: torch.device, max_m: int, max_n: int) -> None:
-    """Allocate the split-K workspace up front (needed before capturing a CUDA graph)."""
-    _workspace(torch.device(device), 2 * max_m * max_n, 65536)
+def reserve_workspace(device: torch.device, max_m: int = 0, max_n: int = 0) -> None:
+    """Allocate the split-K workspace up front (needed before capturing a CUDA graph).
+
+    :func:`pick_config` only splits K while ``tiles * split < 2 * SMs``, so a call's partials
+    (``split * M * N`` floats, twice for gate/up) stay under ``2 * 4 * SMs * BM * BN`` floats
+    (at most 128 x 256 tiles): about 140 MB on an H200 whatever the model.
+    """
+    device = torch.device(device)
+    sms = _num_sms(device) if device.type == "cuda" else 132
+    _workspace(device, 2 * 4 * sms * 128 * 256, 65536)
 
 
 _NUM_SMS: dict = {}
@@ -567,7 +666,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 #: tuned overrides, filled from the H200 micro-benchmark: (M-bucket, silu) -> config fields.
-CONFIG_TABLE: dict[tuple[int, bool], dict] = {}
+CONFIG_TABLE: dict[tuple[int, bool], dict] = {
+    # H200 sweep (benchmarks/fp4_matmul.py --sweep, 2026-11-30): M=64 on the 7B shapes
+    (64, False): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
+    (64, True): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
+    # BM=128 tiles run out of shared memory / registers: 64-row tiles over M instead
+    (128, False): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
+    (128, True): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
+    (256, False): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
+    (256, True): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
+}
 
 
 def _m_bucket(M: int) -> int:
@@ -578,26 +686,32 @@ def _m_bucket(M: int) -> int:
 
 
 def pick_config(M: int, N: int, K: int, silu: bool = False, device=None) -> Fp4Config:
-    """Heuristic tile choice: enough programs to fill the GPU, split-K when N is too small."""
+    """Tile choice: swap-AB for decode (weights are the MMA's M side, the batch its N side),
+    enough programs to fill the GPU (split-K when N is small)."""
     mb = _m_bucket(M)
     base = dict(CONFIG_TABLE.get((mb, silu), {}))
-    BM = base.get("BM", min(max(16, mb), 64 if M <= 128 else 128))
-    BN = base.get("BN", 64 if silu else 128)
-    BKW = base.get("BKW", 16)
-    num_warps = base.get("num_warps", 4 if BM * BN <= 64 * 128 else 8)
+    swap = base.get("SWAP", True)
+    if swap:
+        BM = base.get("BM", min(max(16, mb), 128))
+        BN = base.get("BN", 64 if silu else 128)
+    else:
+        BM = base.get("BM", 16)
+        BN = base.get("BN", 64)
+    BKW = base.get("BKW", 32)
+    num_warps = base.get("num_warps", 4)
     num_stages = base.get("num_stages", 3)
     KW = K // 8
     tiles = triton_cdiv(M, BM) * triton_cdiv(N, BN)
     sms = _num_sms(device) if device is not None and device.type == "cuda" else 132
     want = base.get("programs", 2 * sms)
     split = 1
-    max_split = max(1, KW // (BKW * 4))
+    max_split = max(1, KW // (BKW * 2))
     while tiles * split < want and split * 2 <= max_split:
         split *= 2
     if "SPLIT_K" in base:
         split = min(base["SPLIT_K"], max_split)
     return Fp4Config(BM=BM, BN=BN, BKW=BKW, SPLIT_K=split, num_warps=num_warps,
-                     num_stages=num_stages)
+                     num_stages=num_stages, SWAP=swap)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -659,7 +773,7 @@ def fp4_linear_triton(
     tiles = triton_cdiv(M, cfg.BM) * triton_cdiv(N, cfg.BN)
     silu = gate_up is not None
     if split > 1:
-        ws, cnt = _workspace(x.device, (2 if silu else 1) * M * N, tiles)
+        ws, cnt = _workspace(x.device, (2 if silu else 1) * split * M * N, tiles)
     else:
         ws, cnt = out, out  # unused
     dummy = x
@@ -681,20 +795,64 @@ def fp4_linear_triton(
             raise ValueError("gate/up LoRA must have the same rank layout")
     else:
         w2 = s2 = gs2 = b2 = xa2 = lb2 = dummy
-    grid = (tiles, split)
-    _fp4_mm_kernel[grid](
-        x, x.stride(0), wq, wq.stride(0), sq, sq.stride(0), gs,
-        bias if bias is not None else dummy,
-        w2, s2, gs2, b2,
-        lora_xa if has_lora else dummy, lora_xa.stride(0) if has_lora else 0,
-        lora_b if has_lora else dummy, lora_b.stride(0) if has_lora else 0,
-        xa2, lb2, R,
-        out, out.stride(0), ws, cnt,
-        M, N, KW, NG, per_split,
-        FMT=fc, GW=GW, USE_ASM=use_asm, PERM_X=x_permuted, PERM_OUT=out_permuted, SILU=silu,
-        HAS_BIAS=bias is not None, HAS_LORA=has_lora, RP=RP, SPLIT_K=split,
-        BM=cfg.BM, BN=cfg.BN, BKW=BKW, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    key = (cfg, silu, fc, x_permuted, out_permuted, has_lora, bias is not None)
+    if key in _FAILED_CONFIGS:  # use the fallback tiles, keeping split-K for parallelism
+        tiles = triton_cdiv(M, SAFE_CONFIG.BM) * triton_cdiv(N, SAFE_CONFIG.BN)
+        split = 1
+        while tiles * split < 264 and split * 2 <= max(1, KW // (SAFE_CONFIG.BKW * 2)):
+            split *= 2
+        if (cfg, "safe-split") in _FAILED_CONFIGS:
+            split = 1
+        cfg = dataclasses.replace(SAFE_CONFIG, SPLIT_K=split)
+        BKW = max(cfg.BKW, GW)
+        per_split = triton_cdiv(triton_cdiv(KW, split), BKW) * BKW
+        split = triton_cdiv(KW, per_split)
+        if split > 1:
+            ws, cnt = _workspace(x.device, (2 if silu else 1) * split * M * N, tiles)
+    try:
+        _fp4_mm_kernel[(tiles, split)](
+            x, x.stride(0), wq, wq.stride(0), sq, sq.stride(0), gs,
+            bias if bias is not None else dummy,
+            w2, s2, gs2, b2,
+            lora_xa if has_lora else dummy, lora_xa.stride(0) if has_lora else 0,
+            lora_b if has_lora else dummy, lora_b.stride(0) if has_lora else 0,
+            xa2, lb2, R,
+            out, out.stride(0), ws, cnt,
+            M, N, KW, NG, per_split,
+            FMT=fc, GW=GW, USE_ASM=use_asm, PERM_X=x_permuted, PERM_OUT=out_permuted, SILU=silu,
+            HAS_BIAS=bias is not None, HAS_LORA=has_lora, RP=RP, SPLIT_K=split,
+            BM=cfg.BM, BN=cfg.BN, BKW=max(cfg.BKW, GW), SWAP=cfg.SWAP,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if split > 1:
+            _fp4_splitk_finish_kernel[(tiles,)](
+                ws, gs, bias if bias is not None else dummy, gs2, b2,
+                lora_xa if has_lora else dummy, lora_xa.stride(0) if has_lora else 0,
+                lora_b if has_lora else dummy, lora_b.stride(0) if has_lora else 0,
+                xa2, lb2, R, out, out.stride(0), M, N,
+                FMT=fc, PERM_OUT=out_permuted, SILU=silu, HAS_BIAS=bias is not None,
+                HAS_LORA=has_lora, RP=RP, SPLIT_K=split, BM=cfg.BM, BN=cfg.BN,
+                num_warps=4 if cfg.BM * cfg.BN <= 4096 else 8,
+            )
+    except Exception as e:  # a tile configuration the compiler rejects: fall back, remember
+        if cfg == SAFE_CONFIG:
+            raise
+        if key in _FAILED_CONFIGS:  # the fallback with split-K failed too: last try, no split
+            if (key[0], "safe-split") in _FAILED_CONFIGS or cfg.SPLIT_K == 1:
+                raise
+            _FAILED_CONFIGS.add((key[0], "safe-split"))
+            return fp4_linear_triton(x, packed, scale, fmt, global_scale, bias, lora_xa=lora_xa,
+                                     lora_b=lora_b, gate_up=gate_up, x_permuted=x_permuted,
+                                     out_permuted=out_permuted, out=out, config=key[0],
+                                     use_asm=use_asm)
+        import warnings
+
+        warnings.warn(f"fp4 kernel config {cfg} failed to compile ({type(e).__name__}); "
+                      f"falling back to {SAFE_CONFIG}", stacklevel=2)
+        _FAILED_CONFIGS.add(key)
+        return fp4_linear_triton(x, packed, scale, fmt, global_scale, bias, lora_xa=lora_xa,
+                                 lora_b=lora_b, gate_up=gate_up, x_permuted=x_permuted,
+                                 out_permuted=out_permuted, out=out, config=cfg, use_asm=use_asm)
     return out
 
 

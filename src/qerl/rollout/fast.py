@@ -388,26 +388,26 @@ if HAS_TRITON:
         c = tl.cos(f) * rope_scale
         s = tl.sin(f) * rope_scale
         if h < HQ:
-            src = q_ptr + b.to(tl.int64) * sq + h * D
-            x1 = tl.load(src + i, mask=im, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF + i, mask=im, other=0.0).to(tl.float32)
-            dst = qo_ptr + (b.to(tl.int64) * HQ + h) * D
-            tl.store(dst + i, (x1 * c - x2 * s).to(qo_ptr.dtype.element_ty), mask=im)
-            tl.store(dst + HALF + i, (x2 * c + x1 * s).to(qo_ptr.dtype.element_ty), mask=im)
+            qsrc = q_ptr + b.to(tl.int64) * sq + h * D
+            x1 = tl.load(qsrc + i, mask=im, other=0.0).to(tl.float32)
+            x2 = tl.load(qsrc + HALF + i, mask=im, other=0.0).to(tl.float32)
+            qdst = qo_ptr + (b.to(tl.int64) * HQ + h) * D
+            tl.store(qdst + i, (x1 * c - x2 * s).to(qo_ptr.dtype.element_ty), mask=im)
+            tl.store(qdst + HALF + i, (x2 * c + x1 * s).to(qo_ptr.dtype.element_ty), mask=im)
         else:
             kh = h - HQ
-            src = k_ptr + b.to(tl.int64) * sk + kh * D
-            x1 = tl.load(src + i, mask=im, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF + i, mask=im, other=0.0).to(tl.float32)
-            dst = b.to(tl.int64) * skb + kh * skh + slot.to(tl.int64) * skl
-            tl.store(kc_ptr + dst + i, (x1 * c - x2 * s).to(kc_ptr.dtype.element_ty), mask=im)
-            tl.store(kc_ptr + dst + HALF + i, (x2 * c + x1 * s).to(kc_ptr.dtype.element_ty),
+            ksrc = k_ptr + b.to(tl.int64) * sk + kh * D
+            k1 = tl.load(ksrc + i, mask=im, other=0.0).to(tl.float32)
+            k2 = tl.load(ksrc + HALF + i, mask=im, other=0.0).to(tl.float32)
+            koff = b.to(tl.int64) * skb + kh * skh + slot.to(tl.int64) * skl
+            tl.store(kc_ptr + koff + i, (k1 * c - k2 * s).to(kc_ptr.dtype.element_ty), mask=im)
+            tl.store(kc_ptr + koff + HALF + i, (k2 * c + k1 * s).to(kc_ptr.dtype.element_ty),
                      mask=im)
             vsrc = v_ptr + b.to(tl.int64) * sv + kh * D
             v1 = tl.load(vsrc + i, mask=im, other=0.0)
             v2 = tl.load(vsrc + HALF + i, mask=im, other=0.0)
-            tl.store(vc_ptr + dst + i, v1, mask=im)
-            tl.store(vc_ptr + dst + HALF + i, v2, mask=im)
+            tl.store(vc_ptr + koff + i, v1, mask=im)
+            tl.store(vc_ptr + koff + HALF + i, v2, mask=im)
 
     @triton.jit
     def _attn_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, slot_ptr, pad_ptr, qk_scale,

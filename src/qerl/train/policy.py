@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from qerl.errors import QerlConfigError
-from qerl.modeling.lora import LoraSettings, apply_lora
 from qerl.modeling.loader import load_policy_base, load_quantized, save_quantized
+from qerl.modeling.lora import LoraSettings, apply_lora
 
 OWN_FORMATS = ("nvfp4", "mxfp4")
 
@@ -37,6 +37,7 @@ class PolicySpec:
     on_indivisible: str = "skip"
     skip_modules: tuple[str, ...] = ("lm_head",)
     lora: dict[str, Any] = field(default_factory=dict)
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -124,7 +125,7 @@ def build_policy(spec: PolicySpec) -> tuple[Policy, list[dict[str, Any]]]:
         skip_modules=tuple(spec.skip_modules),
         on_indivisible=spec.on_indivisible,
     )
-    model = apply_lora(model, settings)
+    model = apply_lora(model, settings, gradient_checkpointing=spec.gradient_checkpointing).eval()
     return Policy(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=dtype), report
 
 
@@ -141,9 +142,13 @@ def save_policy(policy: Policy, out_dir: str | os.PathLike) -> Path:
             base = policy.model.get_base_model()
             with policy.model.disable_adapter():
                 save_quantized(_without_lora(base), policy.tokenizer, tmp / "base")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        if out.exists():  # move the old copy aside first: a kill in between never leaves no policy
+            old = out.with_name(f".old-{out.name}-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -166,7 +171,7 @@ def load_policy(in_dir: str | os.PathLike) -> Policy:
         device = resolve_device(spec.device)
         dtype = resolve_dtype(spec.dtype, device)
         model, tokenizer = load_quantized(root / "base", device=device)
-        model = apply_lora(model, lora_settings(spec))
+        model = apply_lora(model, lora_settings(spec), gradient_checkpointing=spec.gradient_checkpointing).eval()
         return Policy(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=dtype)
     return build_policy(spec)[0]
 

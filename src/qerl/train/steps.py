@@ -13,6 +13,7 @@ re-used (a rollout rerun, a re-scoring with another reward) without the others.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -143,8 +144,8 @@ def _rollouts_table(
     policy: Policy, prompts: pd.DataFrame, batch: Any, step: int, sigma: float, seconds: float, n_trunc: int, n_drop: int
 ) -> pd.DataFrame:
     lengths = batch.completion_lengths.tolist()
-    comp_ids = [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths)]
-    logps = [row[:n].tolist() for row, n in zip(batch.logprobs, lengths)]
+    comp_ids = [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths, strict=False)]
+    logps = [row[:n].tolist() for row, n in zip(batch.logprobs, lengths, strict=False)]
     ent = batch.extras.get("entropy")
     texts = policy.tokenizer.batch_decode(comp_ids, skip_special_tokens=False)
     texts = [_strip_special(policy, t) for t in texts]
@@ -199,7 +200,10 @@ def score_step(
 
     t0 = time.perf_counter()
     columns = {c: rollouts[c].tolist() for c in ("answer", "task", "metadata", "completion_tokens") if c in rollouts}
-    columns["metadata"] = [json.loads(m) if isinstance(m, str) and m else {} for m in columns.get("metadata", [])]
+    if "metadata" in columns:  # a table without metadata (e.g. re-scoring a hand-made one) passes none
+        columns["metadata"] = [
+            json.loads(m) if isinstance(m, str) and m else (m if isinstance(m, dict) else {}) for m in columns["metadata"]
+        ]
     total, per_fn, n_errors = score_completions(
         reward_fns, rollouts["prompt"].tolist(), rollouts["completion"].tolist(), columns, on_error=on_error
     )
@@ -228,6 +232,8 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, cfg: Up
         model.train()
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(_mix(cfg.seed, state.step + 1, 3)))
         mb_size = math.ceil(len(rows) / cfg.minibatches)
+        # several optimizer steps per RL step: keep what a non-finite minibatch must roll back
+        saved = _save_update_state(policy, state) if cfg.epochs * math.ceil(len(rows) / mb_size) > 1 else None
         for epoch in range(cfg.epochs):
             for lo in range(0, len(rows), mb_size):
                 mb = rows.iloc[order[lo : lo + mb_size].tolist()]
@@ -238,6 +244,10 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, cfg: Up
                 stats.append(s)
             if bad:
                 break
+        if bad and saved is not None and stats:  # earlier minibatches were applied: undo them
+            _restore_update_state(policy, state, saved)
+        if bad:
+            stats = []
         model.eval()
     metrics.update(_mean_stats(stats))
     _account_bad_step(state, bad, cfg.max_bad_steps)
@@ -251,6 +261,25 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, cfg: Up
         }
     )
     return metrics
+
+
+def _save_update_state(policy: Policy, state: TrainState) -> tuple[list[torch.Tensor], dict[str, Any], dict[str, Any] | None]:
+    """Copies of the LoRA weights, optimizer and LR-scheduler state (a skipped step restores them)."""
+    return (
+        [p.detach().clone() for p in policy.lora_parameters()],
+        copy.deepcopy(state.optimizer.state_dict()),
+        copy.deepcopy(state.scheduler.state_dict()) if state.scheduler is not None else None,
+    )
+
+
+def _restore_update_state(policy: Policy, state: TrainState, saved: tuple[list[torch.Tensor], dict[str, Any], dict[str, Any] | None]) -> None:
+    params, optim, sched = saved
+    with torch.no_grad():
+        for p, value in zip(policy.lora_parameters(), params, strict=True):
+            p.copy_(value)
+    state.optimizer.load_state_dict(optim)  # restores the param groups' lr too
+    if sched is not None:
+        state.scheduler.load_state_dict(sched)
 
 
 def _minibatch_update(
@@ -307,7 +336,7 @@ def make_batch(rows: pd.DataFrame, pad_id: int, device: torch.device) -> dict[st
     attn = torch.zeros((n, p_w + c_w), dtype=torch.long)
     mask = torch.zeros((n, c_w))
     old = torch.zeros((n, c_w))
-    for i, (p, c, lp) in enumerate(zip(prompts, comps, rows["logprobs"])):
+    for i, (p, c, lp) in enumerate(zip(prompts, comps, rows["logprobs"], strict=False)):
         ids[i, p_w - len(p) : p_w] = torch.tensor(p)
         attn[i, p_w - len(p) : p_w] = 1
         if c:
@@ -368,6 +397,10 @@ def _rollout_metrics(scored: pd.DataFrame) -> dict[str, Any]:
 
 
 def _group_size(scored: pd.DataFrame) -> int:
+    # from the sample index, not from prompt ids: a step may draw the same prompt twice (a slice that
+    # straddles an epoch boundary of select_prompts, or prompts_per_step > number of prompts)
+    if "sample" in scored and len(scored):
+        return int(scored["sample"].max()) + 1
     counts = scored.groupby("prompt_id", sort=False).size()
     return int(counts.iloc[0]) if len(counts) else 1
 

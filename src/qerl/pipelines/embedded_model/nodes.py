@@ -11,7 +11,13 @@ from typing import Any
 import pandas as pd
 
 from qerl.eval.evaluate import correctness
-from qerl.modeling.sft import EmbeddedTask, SFTConfig, generate_completions, sft_train, split_entries
+from qerl.modeling.sft import (
+    EmbeddedTask,
+    SFTConfig,
+    generate_completions,
+    sft_train,
+    split_entries,
+)
 from qerl.modeling.tiny import TinyModelSpec, build_model, build_tokenizer
 from qerl.params import TinyModelParams
 

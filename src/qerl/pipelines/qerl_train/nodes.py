@@ -22,7 +22,14 @@ from qerl.rollout import get_engine
 from qerl.train import run as train_run
 from qerl.train.policy import Policy, PolicySpec, build_policy
 from qerl.train.state import TrainState, fingerprint
-from qerl.train.steps import RolloutConfig, UpdateConfig, rollout_step, score_step, select_prompts, update_step
+from qerl.train.steps import (
+    RolloutConfig,
+    UpdateConfig,
+    rollout_step,
+    score_step,
+    select_prompts,
+    update_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +46,7 @@ def policy_spec(p: TrainParams) -> PolicySpec:
     return PolicySpec(
         model_path=p.model.path, format=p.quant.format, device=p.model.device, dtype=p.model.dtype,
         bnb_double_quant=p.quant.bnb_double_quant, on_indivisible=p.quant.on_indivisible,
-        skip_modules=tuple(p.quant.skip_modules), lora=lora,
+        skip_modules=tuple(p.quant.skip_modules), lora=lora, gradient_checkpointing=p.rl.gradient_checkpointing,
     )
 
 
