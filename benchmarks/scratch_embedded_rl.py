@@ -51,7 +51,7 @@ class RLSettings:
     steps: int = 150
     prompts_per_step: int = 16
     group_size: int = 8
-    lr: float = 2e-3
+    lr: float = 1e-3
     temperature: float = 1.0
     max_new_tokens: int = 32
     lora_r: int = 16
@@ -107,38 +107,38 @@ def sample_group(model, tok, prompts, G, temperature, max_new_tokens, gen):
 
 
 def policy_logprobs(model, p_ids, comp, mask, G, pad_id, temperature):
-    """Log-probs of completion tokens under ``model``; sequences right-padded, prompt first."""
+    """Log-probs [N, T] of the completion tokens under ``model`` (0 where ``mask`` is 0).
+
+    Each row is re-packed as ``prompt + completion`` right-padded, so positions start at 0 exactly
+    as in the left-padded generation (whose position ids come from the attention mask).
+    """
     N, T = comp.shape
-    rows, lens = [], []
-    for i in range(N):
-        p = p_ids[i // G]
-        L = int(mask[i].sum().item())
-        rows.append(p + comp[i, :L].tolist())
-        lens.append((len(p), L))
+    lens = mask.sum(1).long().tolist()
+    rows = [p_ids[i // G] + comp[i, : lens[i]].tolist() for i in range(N)]
     W = max(len(r) for r in rows)
     ids = torch.full((N, W), pad_id, dtype=torch.long)
     att = torch.zeros((N, W), dtype=torch.long)
+    idx = torch.zeros((N, T), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r)
         att[i, : len(r)] = 1
+        P = len(p_ids[i // G])
+        idx[i, : lens[i]] = torch.arange(P - 1, P - 1 + lens[i])  # logits at P-1+j predict token j
     logits = model(input_ids=ids, attention_mask=att).logits.float() / temperature
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    out = torch.zeros((N, T))
-    out_mask = torch.zeros((N, T))
-    for i, (P, L) in enumerate(lens):
-        out_mask[i, :L] = 1
-    # gather per-row slices (positions P-1 .. P+L-2 predict completion tokens 0..L-1)
-    idx = torch.zeros((N, T), dtype=torch.long)
-    for i, (P, L) in enumerate(lens):
-        idx[i, :L] = torch.arange(P - 1, P - 1 + L)
-    out = lp.gather(1, idx.clamp(max=lp.shape[1] - 1)) * out_mask
-    return out, out_mask
+    lp = torch.log_softmax(logits, -1).gather(-1, ids.roll(-1, 1)[:, :, None]).squeeze(-1)
+    return lp.gather(1, idx) * mask
+
+
+def style_split(completions: list[str]) -> float:
+    """Fraction of completions that use a non-empty think (the scratchpad style)."""
+    return sum("<think></think>" not in c for c in completions) / max(1, len(completions))
 
 
 def run_seed(seed: int, rl: RLSettings, sft: SFTConfig, spec: TinyModelSpec, task: EmbeddedTask,
              n_sft: int, n_rl: int, n_eval: int, data_seed: int, log=print,
-             cache_dir: str | None = None, entries_json: str | None = None) -> dict:
-    torch.set_num_threads(2)
+             cache_dir: str | None = None, entries_json: str | None = None,
+             init_from: str | None = None, threads: int = 2) -> dict:
+    torch.set_num_threads(threads)
     t0 = time.perf_counter()
     if entries_json:  # pre-generated splits (for machines without reasoning-gym)
         with open(entries_json) as f:
@@ -148,11 +148,15 @@ def run_seed(seed: int, rl: RLSettings, sft: SFTConfig, spec: TinyModelSpec, tas
     else:
         splits = split_entries(task, {"sft": n_sft, "rl": n_rl, "eval": n_eval}, seed=data_seed)
         score = task.scorer()
-    sft_cfg = SFTConfig(**{**asdict(sft), "seed": seed})
+    sft_cfg = SFTConfig(**{**asdict(sft), "seed": seed, "num_threads": threads})
     key = hashlib.sha1(json.dumps([task.to_dict(), spec.to_dict(), asdict(sft_cfg), n_sft, data_seed],
                                   sort_keys=True, default=str).encode()).hexdigest()[:12]
     cached = os.path.join(cache_dir, key) if cache_dir else None
-    if cached and os.path.exists(os.path.join(cached, "history.json")):
+    if init_from:
+        model, tok = load_tiny(init_from)
+        hist, t_sft = [{"loss": float("nan")}], float("nan")
+        log(f"[seed {seed}] SFT model from {init_from}")
+    elif cached and os.path.exists(os.path.join(cached, "history.json")):
         model, tok = load_tiny(cached)
         with open(os.path.join(cached, "history.json")) as f:
             hist, t_sft = json.load(f)
@@ -169,8 +173,10 @@ def run_seed(seed: int, rl: RLSettings, sft: SFTConfig, spec: TinyModelSpec, tas
                 json.dump([hist, t_sft], f)
     model.eval()
     EP = [task.prompt(e["question"]) for e in splits["eval"]]
-    acc0, _ = greedy_accuracy(model, tok, EP, splits["eval"], max_new_tokens=rl.max_new_tokens, scorer=score)
-    log(f"[seed {seed}] build+SFT {t_sft:.1f}s, final loss {hist[-1]['loss']:.3f}, warm-start greedy acc {acc0:.3f}")
+    acc0, comps0 = greedy_accuracy(model, tok, EP, splits["eval"], max_new_tokens=rl.max_new_tokens, scorer=score)
+    style0 = style_split(comps0)
+    log(f"[seed {seed}] build+SFT {t_sft:.1f}s, final loss {hist[-1]['loss']:.3f}, warm-start greedy acc {acc0:.3f} "
+        f"(scratchpad style in {style0:.2f} of greedy completions)")
 
     if rl.quant != "none":
         from qerl.quant.linear import quantize_model_  # type: ignore
@@ -217,7 +223,8 @@ def run_seed(seed: int, rl: RLSettings, sft: SFTConfig, spec: TinyModelSpec, tas
         tb = time.perf_counter()
         t_gen += tb - ta
         model.train()
-        lp, m = policy_logprobs(model, p_ids, comp, mask, G, tok.pad_token_id, rl.temperature)
+        lp = policy_logprobs(model, p_ids, comp, mask, G, tok.pad_token_id, rl.temperature)
+        m = mask
         # token-level PPO-clip objective with old = current (one update per batch): ratio == 1
         ratio = torch.exp(lp - lp.detach())
         pg = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.28) * adv[:, None])
@@ -232,12 +239,12 @@ def run_seed(seed: int, rl: RLSettings, sft: SFTConfig, spec: TinyModelSpec, tas
                       "zero_std_groups": zero_std, "grad_norm": float(gn), "len": float(m.sum(1).mean())})
         if rl.eval_every and ((step + 1) % rl.eval_every == 0 or step + 1 == rl.steps):
             te = time.perf_counter()
-            acc, _ = greedy_accuracy(model, tok, EP, splits["eval"], max_new_tokens=rl.max_new_tokens, scorer=score)
+            acc, comps = greedy_accuracy(model, tok, EP, splits["eval"], max_new_tokens=rl.max_new_tokens, scorer=score)
             t_eval += time.perf_counter() - te
-            curve.append({"step": step + 1, "greedy_acc": acc})
+            curve.append({"step": step + 1, "greedy_acc": acc, "greedy_scratch_style": style_split(comps)})
             recent = stats[-rl.eval_every:]
             log(f"[seed {seed}] step {step + 1:4d} sample_acc {sum(s['sample_acc'] for s in recent) / len(recent):.3f} "
-                f"greedy {acc:.3f} zero-std {sum(s['zero_std_groups'] for s in recent) / len(recent):.2f} "
+                f"greedy {acc:.3f} (style {style_split(comps):.2f}) zero-std {sum(s['zero_std_groups'] for s in recent) / len(recent):.2f} "
                 f"rl_compute {t_gen + t_upd:.1f}s")
     if curve[-1]["step"] != rl.steps:
         acc, _ = greedy_accuracy(model, tok, EP, splits["eval"], max_new_tokens=rl.max_new_tokens, scorer=score)
@@ -246,6 +253,7 @@ def run_seed(seed: int, rl: RLSettings, sft: SFTConfig, spec: TinyModelSpec, tas
     return {
         "seed": seed,
         "warm_start_acc": acc0,
+        "warm_start_scratch_style": style0,
         "pre_rl_acc": accq,
         "post_rl_acc": acc1,
         "lift_points": 100 * (acc1 - accq),
@@ -281,6 +289,9 @@ def main(argv=None) -> int:
         ap.add_argument("--" + f.replace("_", "-"), type=type(v), default=v)
     ap.add_argument("--out", default=None, help="JSON report path")
     ap.add_argument("--sft-cache", default=None, help="directory to cache SFT models in (reused by key)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads (2 on an idle 2-core machine; 1 when the cores are shared)")
+    ap.add_argument("--init-from", default=None, help="start RL from this saved SFT model (skip SFT)")
     ap.add_argument("--entries-json", default=None, help="use pre-generated {sft,rl,eval} entries")
     ap.add_argument("--dump-entries", default=None, help="write the {sft,rl,eval} entries here and exit")
     a = ap.parse_args(argv)
@@ -293,7 +304,7 @@ def main(argv=None) -> int:
     task.scratchpad_fraction = a.scratch_frac
     spec = TinyModelSpec(hidden_size=a.hidden, num_hidden_layers=a.layers, intermediate_size=a.intermediate,
                          num_attention_heads=a.hidden // 32, num_key_value_heads=a.hidden // 32)
-    sft = SFTConfig(steps=a.sft_steps, lr=a.sft_lr, batch_size=a.sft_batch, log_every=100)
+    sft = SFTConfig(steps=a.sft_steps, lr=a.sft_lr, batch_size=a.sft_batch, log_every=50)
     rl = RLSettings(**{f: getattr(a, f) for f in asdict(RLSettings())})
     if a.dump_entries:
         sp = split_entries(task, {"sft": a.n_sft, "rl": a.n_rl, "eval": a.n_eval}, seed=a.data_seed)
@@ -303,7 +314,8 @@ def main(argv=None) -> int:
     results = []
     for s in a.seeds:
         results.append(run_seed(s, rl, sft, spec, task, a.n_sft, a.n_rl, a.n_eval, a.data_seed,
-                                cache_dir=a.sft_cache, entries_json=a.entries_json))
+                                cache_dir=a.sft_cache, entries_json=a.entries_json,
+                                init_from=a.init_from, threads=a.threads))
 
     hdr = f"{'seed':>4} {'SFT s':>6} {'warm':>6} {'pre-RL':>6} {'post-RL':>7} {'lift pts':>8} {'RL s':>6} {'gen s':>6} {'upd s':>6}"
     print()

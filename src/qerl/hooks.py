@@ -19,9 +19,9 @@ class QerlHooks:
     def after_context_created(self, context: Any) -> None:
         import torch
 
-        from qerl.pipelines.qerl_train.pipeline import remember_configured_steps
+        from qerl.pipelines import registry_params
 
-        remember_configured_steps(context.config_loader)
+        registry_params.remember(context.config_loader)
 
         threads = os.environ.get("QERL_NUM_THREADS")
         if threads:

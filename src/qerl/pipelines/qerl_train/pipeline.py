@@ -12,53 +12,21 @@ the policy and the training state are resident catalog entries (``PolicyDataset`
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from kedro.pipeline import Node, Pipeline
 
 from qerl.pipelines.data_prep import create_pipeline as data_prep_pipeline
+from qerl.pipelines.registry_params import lookup
 
 from . import nodes as n
 
 DEFAULT_STEPS = 60
 
 
-_CONTEXT_STEPS: int | None = None
-
-
-def remember_configured_steps(config_loader: object) -> None:
-    """Called by the project hook once the Kedro context exists, *before* pipelines are built:
-    the config loader already holds the run's env and ``--params``, so
-    ``kedro run -e gpu_paper --params qerl.rl.steps=8`` unrolls exactly 8 steps."""
-    global _CONTEXT_STEPS
-    try:
-        _CONTEXT_STEPS = int(config_loader["parameters"]["qerl"]["rl"]["steps"])  # type: ignore[index]
-    except (KeyError, TypeError, ValueError):
-        _CONTEXT_STEPS = None
-
-
 def configured_steps(project_path: Path | None = None) -> int:
-    """``qerl.rl.steps`` of the current run (env + ``--params``) when a Kedro context exists,
-    else read from ``conf/base`` + ``conf/$KEDRO_ENV`` (e.g. ``kedro registry list`` without a run)."""
-    if _CONTEXT_STEPS is not None:
-        return _CONTEXT_STEPS
-    from kedro.config import OmegaConfigLoader
-
-    from qerl.settings import CONFIG_LOADER_ARGS
-
-    root = Path(project_path or Path.cwd())
-    conf = root / "conf"
-    if not conf.exists():
-        return DEFAULT_STEPS
-    env = os.environ.get("KEDRO_ENV", "local")
-    loader = OmegaConfigLoader(
-        str(conf), base_env="base", default_run_env=env, merge_strategy=CONFIG_LOADER_ARGS["merge_strategy"]
-    )
-    try:
-        return int(loader["parameters"]["qerl"]["rl"]["steps"])
-    except (KeyError, TypeError):
-        return DEFAULT_STEPS
+    """``qerl.rl.steps`` of the current run (env + ``--params``), see ``registry_params``."""
+    return int(lookup("qerl.rl.steps", DEFAULT_STEPS, project_path))
 
 
 def step_name(k: int) -> str:

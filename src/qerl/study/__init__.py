@@ -1,0 +1,1 @@
+"""The quantization strategy comparison (issue: does quantization noise help exploration here?)."""
