@@ -6,6 +6,7 @@ export KEDRO_DISABLE_TELEMETRY := 1
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+export KEDRO_LOGGING_CONFIG ?= conf/logging.yml
 
 .PHONY: setup run test
 

@@ -38,6 +38,18 @@ qerl:
   report: {probe_size: 4, formats: [nvfp4, mxfp4], max_new_tokens: 8}
   eval: {k: 2, max_prompts: 6, max_new_tokens: 10}
 """,
+    "parameters_quant_study.yml": """
+quant_study:
+  seeds: [0, 1]
+  steps: 2
+  probe_size: 4
+  eval_max_prompts: 4
+  eval_k: 2
+  variants:
+    - {name: none_param_noise, format: none, noise: none, lr_scale: 0.5, param_noise: nvfp4}
+    - {name: nvfp4_aqn, format: nvfp4, noise: exponential}
+    - {name: nvfp4_entropy_ctrl, format: nvfp4, noise: entropy_feedback}
+""",
 }
 
 
@@ -172,6 +184,23 @@ def test_notebook_runs_on_catalog_outputs(project: Path) -> None:
         os.environ.pop("QERL_PROJECT_PATH", None)
     texts = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("completions over" in t for t in texts)
+
+
+def test_quant_study(project: Path) -> None:
+    kedro(project, "run", "--pipeline=quant_study")
+    rep = project / "data" / "08_reporting"
+    summary = pd.read_csv(next((rep / "quant_study_summary.csv").glob("*/*.csv")))
+    assert summary["variant"].tolist() == ["none_param_noise", "nvfp4_aqn", "nvfp4_entropy_ctrl"]
+    assert (summary["seeds"] == 2).all()
+    runs = pd.read_csv(next((rep / "quant_study_runs.csv").glob("*/*.csv")))
+    assert len(runs) == 6 and runs["pass@1_after"].between(0, 1).all()
+    # the parameter-noise control really perturbs the full-precision base; nvfp4 is 4-bit
+    kl = runs.groupby("variant")["kl_to_full_precision"].mean()
+    assert (kl > 0).all()
+    metrics = pd.read_parquet(next((rep / "quant_study_metrics.parquet").glob("*/*.parquet")))
+    assert metrics.groupby(["variant", "seed"])["step"].apply(list).map(lambda s: s == [1, 2]).all()
+    pngs = {p.name for p in (rep / "quant_study_plots").glob("*/*/*.png")}
+    assert pngs == {"reward.png", "entropy.png", "final_pass1.png"}
 
 
 def test_missing_checkpoint_names_the_pipeline(tmp_path: Path) -> None:

@@ -35,8 +35,12 @@ class DataParams(_Strict):
 
 
 class TaskParams(_Strict):
+    """The embedded task; ``scratchpad_fraction`` of the warm-start answers show a column-arithmetic
+    scratchpad inside ``<think>``, the rest answer directly (see ``qerl.modeling.sft.EmbeddedTask``)."""
+
     name: str = "chain_sum"
     config: dict[str, Any] = Field(default_factory=dict)
+    scratchpad_fraction: float = Field(0.3, ge=0, le=1)
 
 
 class TinyModelParams(_Strict):

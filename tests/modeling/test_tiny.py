@@ -10,6 +10,7 @@ from qerl.modeling.sft import (
     SFTConfig,
     collate_right,
     column_scratchpad,
+    embedded_warm_start,
     encode_pairs,
     extract_answer,
     greedy_accuracy,
@@ -37,7 +38,8 @@ QUESTIONS = [
 ANSWERS = ["85", "14", "-43", "109", "36"]
 THINKS = ["7+8=15,4+3+1=8", "", "90-47:10-7=3,9-1-4=4", "", ""]
 TEXTS = [
-    q + "\n" + EmbeddedTask.completion(a, t) for q, a, t in zip(QUESTIONS, ANSWERS, THINKS, strict=True)
+    q + "\n" + EmbeddedTask.completion(a, t)
+    for q, a, t in zip(QUESTIONS, ANSWERS, THINKS, strict=True)
 ]
 
 
@@ -97,7 +99,9 @@ def test_config_dims_and_forward(tok, arch):
     ins = linear_in_features(model)
     assert len(ins) == 7 * spec.num_hidden_layers
     assert all(v % 64 == 0 for v in ins.values()), ins
-    assert all(m.weight.shape[0] % 16 == 0 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert all(
+        m.weight.shape[0] % 16 == 0 for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
     ids = torch.randint(0, len(tok), (3, 11))
     out = model(input_ids=ids)
     assert out.logits.shape == (3, 11, cfg.vocab_size)
@@ -132,19 +136,33 @@ def test_collate_masks_prompt(tok):
 
 
 def _tiny_sft(tok, seed):
-    spec = TinyModelSpec(hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
-                         intermediate_size=128, num_hidden_layers=1)
+    spec = TinyModelSpec(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=1,
+    )
     model = build_model(spec, tok, seed=seed)
     prompts = [t.split("\n")[0] + "\n" for t in TEXTS]
     comps = [t.split("\n", 1)[1] for t in TEXTS]
-    cfg = SFTConfig(steps=200, batch_size=5, lr=1e-2, warmup_steps=5, seed=seed, log_every=20)
+    cfg = SFTConfig(
+        steps=150,
+        batch_size=5,
+        lr=1e-2,
+        warmup_steps=5,
+        schedule="cosine",
+        seed=seed,
+        log_every=25,
+        num_threads=1,
+    )
     return sft_train(model, tok, prompts, comps, cfg), prompts, comps
 
 
 def test_sft_loss_decreases_and_is_deterministic(tok):
     (m1, h1), prompts, comps = _tiny_sft(tok, seed=3)
     assert h1[-1]["loss"] < 0.5 * h1[0]["loss"]
-    assert h1[-1]["step"] == 200
+    assert h1[-1]["step"] == 150
     (m2, h2), _, _ = _tiny_sft(tok, seed=3)
     assert [h["loss"] for h in h1] == [h["loss"] for h in h2]
     for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
@@ -159,3 +177,65 @@ def test_extract_answer():
     assert extract_answer("<think>x</think><answer> 42 </answer>") == "42"
     assert extract_answer("<answer>1</answer><answer>2</answer>") == "2"
     assert extract_answer("no tags") is None
+
+
+def test_embedded_task_splits_and_warm_start():
+    task = EmbeddedTask()
+    small = TinyModelSpec(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=1,
+    )
+    ws = embedded_warm_start(
+        task,
+        small,
+        SFTConfig(
+            steps=12, batch_size=8, num_threads=1, min_steps=4, check_every=4, target_accuracy=2.0
+        ),
+        sizes={"sft": 200, "val": 20, "rl": 50, "eval": 50},
+        seed=0,
+    )
+    # an unreachable target: checked at 4, 8, 12 and never stops early
+    assert [s for s, _ in ws.val_curve] == [4, 8, 12] and ws.steps == 12
+    qs = {k: {e["question"] for e in v} for k, v in ws.splits.items()}
+    assert [len(qs[k]) for k in ("sft", "val", "rl", "eval")] == [200, 20, 50, 50]
+    assert not (qs["val"] & (qs["sft"] | qs["rl"] | qs["eval"]))
+    assert (
+        not (qs["sft"] & qs["eval"]) and not (qs["rl"] & qs["eval"]) and not (qs["sft"] & qs["rl"])
+    )
+    prompts, comps = task.sft_pairs(ws.splits["sft"], seed=1234)
+    n_scratch = sum("<think></think>" not in c for c in comps)
+    assert 0.15 < n_scratch / len(comps) < 0.45
+    score = task.scorer()
+    for e, c in zip(
+        ws.splits["sft"], comps, strict=True
+    ):  # every target is correct per the verifier
+        assert score(extract_answer(c), e) == 1.0
+        if "<think></think>" not in c:
+            assert c.startswith("<think>" + column_scratchpad(e["metadata"]["expression"]))
+    # the prompt + completion (+ EOS) stays short
+    tok = ws.tokenizer
+    assert max(len(tok.encode(p + c)) for p, c in zip(prompts, comps, strict=True)) + 1 <= 40
+    assert len(ws.history) >= 1
+
+
+def test_sft_early_stop(tok):
+    spec = TinyModelSpec(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=1,
+    )
+    model = build_model(spec, tok, seed=0)
+    prompts = [t.split("\n")[0] + "\n" for t in TEXTS]
+    comps = [t.split("\n", 1)[1] for t in TEXTS]
+    calls = []
+    cfg = SFTConfig(steps=50, batch_size=5, min_steps=10, check_every=5, log_every=7, num_threads=1)
+    _, hist = sft_train(
+        model, tok, prompts, comps, cfg, should_stop=lambda s: calls.append(s) or s >= 20
+    )
+    assert calls == [10, 15, 20]
+    assert hist[-1]["step"] == 20

@@ -189,11 +189,17 @@ def extract_answer(text: str) -> str | None:
 
 @dataclass
 class SFTConfig:
-    """Warm-start recipe. The defaults are the embedded default's (measured in
-    ``benchmarks/scratch_embedded_rl.py``): 750 steps of 64 pairs at a constant 1e-3 after 20
-    warm-up steps leave the tiny model mid-way through learning its task."""
+    """Warm-start recipe; the defaults are the embedded default's.
 
-    steps: int = 750
+    ``steps`` is the step budget. With ``target_accuracy`` set, :func:`embedded_warm_start`
+    checks greedy accuracy on a validation split every ``check_every`` steps from ``min_steps``
+    on and stops at the first check that reaches the target (so the warm start lands in a known
+    band instead of wherever a seed's learning curve happens to be after a fixed number of steps;
+    still deterministic given the seed). Use a ``constant`` schedule with early stopping (a cosine
+    schedule would be cut short).
+    """
+
+    steps: int = 1500
     batch_size: int = 64
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -205,6 +211,9 @@ class SFTConfig:
     seed: int = 0
     log_every: int = 25
     num_threads: int | None = 2
+    target_accuracy: float | None = 0.30
+    min_steps: int = 600
+    check_every: int = 50
 
 
 def encode_pairs(tokenizer, prompts: Sequence[str], completions: Sequence[str]):
@@ -256,12 +265,15 @@ def sft_train(
     completions: Sequence[str],
     cfg: SFTConfig | None = None,
     callback: Callable[[int, dict], None] | None = None,
+    should_stop: Callable[[int], bool] | None = None,
 ):
     """Supervised training on (prompt, completion) pairs, loss on completion tokens only.
 
-    Batches are drawn by a seeded permutation of the pairs (reshuffled each epoch). Returns
-    ``(model, history)``; ``history`` holds one dict per logged step
-    (``step``, ``loss``, ``lr``, ``elapsed_s``), the last step always included.
+    Batches are drawn by a seeded permutation of the pairs (reshuffled each epoch). Runs
+    ``cfg.steps`` steps, or fewer when ``should_stop(step)`` (called every ``cfg.check_every``
+    steps from ``cfg.min_steps`` on, under a forked RNG so it cannot perturb training) returns
+    True. Returns ``(model, history)``; ``history`` holds one dict per logged step (``step``,
+    ``loss``, ``lr``, ``elapsed_s``), the last step always included.
     """
     cfg = cfg or SFTConfig()
     if cfg.schedule not in ("cosine", "constant"):
@@ -298,9 +310,15 @@ def sft_train(
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         running += loss.item()
-        last = step == cfg.steps - 1
-        if (step + 1) % cfg.log_every == 0 or last:
-            k = (step % cfg.log_every) + 1
+        n_done = step + 1
+        stop = False
+        if should_stop is not None and n_done >= cfg.min_steps and n_done % cfg.check_every == 0:
+            with torch.random.fork_rng(devices=[]):
+                stop = bool(should_stop(n_done))
+            model.train()
+        last = stop or step == cfg.steps - 1
+        if n_done % cfg.log_every == 0 or last:
+            k = n_done - (n_done - 1) // cfg.log_every * cfg.log_every
             rec = {
                 "step": step + 1,
                 "loss": running / k,
@@ -311,6 +329,8 @@ def sft_train(
             running = 0.0
             if callback:
                 callback(step + 1, rec)
+        if stop:
+            break
     model.eval()
     return model, history
 
@@ -412,11 +432,19 @@ def score_completions(
 
 @dataclass
 class WarmStart:
+    """What :func:`embedded_warm_start` built. ``val_curve``: ``(step, greedy accuracy)`` of the
+    early-stopping checks; ``steps``: SFT steps actually run."""
+
     model: object
     tokenizer: object
     splits: dict[str, list[dict]]
     history: list[dict]
+    val_curve: list[tuple[int, float]]
+    steps: int
     seconds: float
+
+
+DEFAULT_SIZES = {"sft": 4000, "val": 200, "rl": 4000, "eval": 500}
 
 
 def embedded_warm_start(
@@ -425,22 +453,49 @@ def embedded_warm_start(
     sft: SFTConfig | None = None,
     sizes: dict[str, int] | None = None,
     data_seed: int = 1234,
-    seed: int = 0,
+    seed: int | None = None,
     tokenizer_corpus_size: int = 2000,
+    splits: dict[str, list[dict]] | None = None,
+    scorer: Callable[[str | None, dict], float] | None = None,
+    max_new_tokens: int = 32,
 ) -> WarmStart:
-    """Build the embedded default end to end: disjoint task splits, the local tokenizer (merges
-    learned from the first ``tokenizer_corpus_size`` SFT pairs), the tiny model (init ``seed``)
-    and its SFT warm start. ``sizes`` defaults to ``{"sft": 4000, "rl": 4000, "eval": 500}``."""
+    """Build the embedded default end to end.
+
+    Disjoint task splits (``sizes``, default :data:`DEFAULT_SIZES`; or pass ``splits`` and
+    ``scorer`` directly), the local tokenizer (merges learned from the first
+    ``tokenizer_corpus_size`` SFT pairs), the tiny model (initialised with ``seed``, default
+    ``sft.seed``) and its SFT warm start, stopped early on the ``"val"`` split when
+    ``sft.target_accuracy`` is set (the split must then exist).
+    """
     from qerl.modeling.tiny import TinyModelSpec, build_model, build_tokenizer
 
     t0 = time.perf_counter()
     task = task or EmbeddedTask()
     spec = spec or TinyModelSpec()
-    sft = sft or SFTConfig(seed=seed)
-    splits = split_entries(task, sizes or {"sft": 4000, "rl": 4000, "eval": 500}, seed=data_seed)
+    sft = sft or SFTConfig()
+    if seed is not None and seed != sft.seed:
+        sft = SFTConfig(**{**asdict(sft), "seed": seed})
+    if splits is None:
+        splits = split_entries(task, sizes or DEFAULT_SIZES, seed=data_seed)
     prompts, comps = task.sft_pairs(splits["sft"], seed=data_seed)
     n = tokenizer_corpus_size
     tok = build_tokenizer([p + c for p, c in zip(prompts[:n], comps[:n], strict=True)])
-    model = build_model(spec, tok, seed=seed)
-    model, history = sft_train(model, tok, prompts, comps, sft)
-    return WarmStart(model, tok, splits, history, time.perf_counter() - t0)
+    model = build_model(spec, tok, seed=sft.seed)
+
+    val_curve: list[tuple[int, float]] = []
+    should_stop = None
+    if sft.target_accuracy is not None:
+        if not splits.get("val"):
+            raise ValueError("embedded_warm_start: target_accuracy needs a non-empty 'val' split")
+        score = scorer or task.scorer()
+        val = splits["val"]
+        val_prompts = [task.prompt(e["question"]) for e in val]
+
+        def should_stop(step: int) -> bool:
+            acc, _ = greedy_accuracy(model, tok, val_prompts, val, max_new_tokens, scorer=score)
+            val_curve.append((step, acc))
+            return acc >= sft.target_accuracy
+
+    model, history = sft_train(model, tok, prompts, comps, sft, should_stop=should_stop)
+    steps = history[-1]["step"] if history else 0
+    return WarmStart(model, tok, splits, history, val_curve, steps, time.perf_counter() - t0)

@@ -136,7 +136,9 @@ class TinyModelSpec:
 
         if self.architecture not in ("qwen2", "llama"):
             raise QerlConfigError(
-                "model.architecture", f"unknown architecture {self.architecture!r}", "use 'qwen2' or 'llama'"
+                "model.architecture",
+                f"unknown architecture {self.architecture!r}",
+                "use 'qwen2' or 'llama'",
             )
         for name in ("hidden_size", "intermediate_size"):
             v = getattr(self, name)
@@ -198,7 +200,9 @@ def build_config(spec: TinyModelSpec, tokenizer):
     if spec.architecture == "qwen2":
         from transformers import Qwen2Config
 
-        cfg = Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, **common)
+        cfg = Qwen2Config(
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, **common
+        )
     else:
         from transformers import LlamaConfig
 

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def _task(p: TinyModelParams) -> EmbeddedTask:
-    return EmbeddedTask(name=p.task.name, config=dict(p.task.config))
+    return EmbeddedTask(name=p.task.name, config=dict(p.task.config), scratchpad_fraction=p.task.scratchpad_fraction)
 
 
 def build_sft_set(eval_prompts: pd.DataFrame, params: TinyModelParams) -> pd.DataFrame:
@@ -34,9 +34,8 @@ def build_sft_set(eval_prompts: pd.DataFrame, params: TinyModelParams) -> pd.Dat
     held_out = set(eval_prompts["question"])
     pool = split_entries(task, {"sft": params.sft_size + len(held_out)}, seed=params.sft_seed)["sft"]
     rows = [e for e in pool if e["question"] not in held_out][: params.sft_size]
-    return pd.DataFrame(
-        {"prompt": [task.prompt(e["question"]) for e in rows], "completion": [task.completion(str(e["answer"])) for e in rows]}
-    )
+    prompts, completions = task.sft_pairs(rows, seed=params.sft_seed)
+    return pd.DataFrame({"prompt": prompts, "completion": completions})
 
 
 def train_embedded_model(sft_set: pd.DataFrame, params: TinyModelParams) -> tuple[dict[str, Any], pd.DataFrame]:

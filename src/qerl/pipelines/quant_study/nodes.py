@@ -37,8 +37,10 @@ class StudyParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
     steps: int = 40
-    reward_threshold: float = 0.8
+    reward_threshold: float = 1.6
     probe_size: int = 16
+    eval_max_prompts: int | None = 100
+    eval_k: int = 4
     variants: list[VariantParams]
 
 
@@ -52,6 +54,7 @@ def variant_params(base: TrainParams, study: StudyParams, variant: VariantParams
         lr=base.rl.lr * variant.lr_scale, seed=seed, steps=study.steps, run_name=f"study_{variant.name}_s{seed}",
         resume="never", save_every=study.steps,
     )
+    raw["eval"].update(max_prompts=study.eval_max_prompts, k=study.eval_k)
     return TrainParams(**raw)
 
 
