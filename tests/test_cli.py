@@ -172,20 +172,6 @@ def test_kill_and_resume(project: Path) -> None:
     assert metrics["step"].tolist() == list(range(1, 9))  # every step exactly once
 
 
-def test_notebook_runs_on_catalog_outputs(project: Path) -> None:
-    nbformat = pytest.importorskip("nbformat")
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(project / "notebooks" / "qerl_analysis.ipynb", as_version=4)
-    os.environ["QERL_PROJECT_PATH"] = str(project)
-    try:
-        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(project)}}).execute()
-    finally:
-        os.environ.pop("QERL_PROJECT_PATH", None)
-    texts = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    assert any("completions over" in t for t in texts)
-
-
 def test_quant_study(project: Path) -> None:
     kedro(project, "run", "--pipeline=quant_study")
     rep = project / "data" / "08_reporting"
@@ -201,6 +187,21 @@ def test_quant_study(project: Path) -> None:
     assert metrics.groupby(["variant", "seed"])["step"].apply(list).map(lambda s: s == [1, 2]).all()
     pngs = {p.name for p in (rep / "quant_study_plots").glob("*/*/*.png")}
     assert pngs == {"reward.png", "entropy.png", "final_pass1.png"}
+
+
+def test_notebook_runs_on_catalog_outputs(project: Path) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(project / "notebooks" / "qerl_analysis.ipynb", as_version=4)
+    os.environ["QERL_PROJECT_PATH"] = str(project)
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(project)}}).execute()
+    finally:
+        os.environ.pop("QERL_PROJECT_PATH", None)
+    texts = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert any("completions over" in t for t in texts)
+    assert any("none_param_noise" in t for t in texts)  # the study section read quant_study_summary
 
 
 def test_missing_checkpoint_names_the_pipeline(tmp_path: Path) -> None:

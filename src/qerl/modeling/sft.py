@@ -1,13 +1,20 @@
 """Supervised warm start of the embedded default model, and greedy evaluation.
 
 The embedded default RL task (chosen by measurement, see ``benchmarks/scratch_embedded_rl.py``)
-is described by :class:`EmbeddedTask`: a reasoning-gym generator and its config, the prompt format
-(the raw question) and the completion format ``<think>...</think><answer>X</answer>`` + EOS.
+is described by :class:`EmbeddedTask`: reasoning-gym's ``chain_sum`` with two 2-digit terms
+(``"State the final answer to the following arithmetic problem: 47 - 90 ="``), the prompt is the
+raw question plus a newline, the completion is ``<think>...</think><answer>X</answer>`` + EOS.
+The warm-start corpus mixes a direct answer (empty think, 70%) with a column-arithmetic
+scratchpad (30%); a short SFT leaves a model that greedily answers directly (~30-40% correct on
+held-out prompts) although its scratchpad is far more reliable, so GRPO at T=1 has a clear
+signal and raises held-out greedy accuracy by 40-60 points within ~50-150 steps.
 
 :func:`sft_train` trains any causal LM on (prompt, completion) pairs with the loss on completion
-tokens only (EOS included), AdamW, a constant or cosine schedule and a fixed number of steps. Given
-the same seed, model initialisation and data, it is deterministic. :func:`greedy_accuracy` runs
-batched left-padded greedy ``generate`` and scores the text inside ``<answer>...</answer>``.
+tokens only (EOS included), AdamW, a constant or cosine schedule and a step budget, optionally
+stopped early by a check (deterministic given the seed, the model initialisation and the data).
+:func:`embedded_warm_start` does the whole embedded build (splits, tokenizer, model, SFT stopped
+once validation greedy accuracy reaches ``SFTConfig.target_accuracy``). :func:`greedy_accuracy`
+runs batched left-padded greedy ``generate`` and scores the text inside ``<answer>...</answer>``.
 """
 
 from __future__ import annotations
@@ -345,7 +352,7 @@ def generate_completions(
     model,
     tokenizer,
     prompts: Sequence[str],
-    max_new_tokens: int = 16,
+    max_new_tokens: int = 32,
     batch_size: int = 256,
     do_sample: bool = False,
     temperature: float = 1.0,
@@ -388,7 +395,7 @@ def greedy_accuracy(
     tokenizer,
     prompts: Sequence[str],
     answers: Sequence[str] | Sequence[dict],
-    max_new_tokens: int = 16,
+    max_new_tokens: int = 32,
     batch_size: int = 256,
     scorer: Callable[[str | None, dict], float] | None = None,
 ) -> tuple[float, list[str]]:
