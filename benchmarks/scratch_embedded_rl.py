@@ -368,6 +368,7 @@ def main(argv=None) -> int:
         help="stop SFT once val greedy accuracy reaches this (<0: fixed steps)",
     )
     ap.add_argument("--sft-min-steps", type=int, default=SFTConfig.min_steps)
+    ap.add_argument("--sft-max-steps", type=int, default=SFTConfig.max_steps)
     ap.add_argument("--data-seed", type=int, default=1234)
     ap.add_argument("--scratch-frac", type=float, default=EmbeddedTask.scratchpad_fraction)
     ap.add_argument("--hidden", type=int, default=TinyModelSpec.hidden_size)
@@ -409,6 +410,7 @@ def main(argv=None) -> int:
     )
     sft = SFTConfig(
         steps=a.sft_steps,
+        max_steps=a.sft_max_steps,
         lr=a.sft_lr,
         batch_size=a.sft_batch,
         log_every=50,
@@ -447,7 +449,7 @@ def main(argv=None) -> int:
     print()
     print(
         f"task={task.name} {json.dumps(task.config)} model={spec.hidden_size}x{spec.num_hidden_layers} "
-        f"SFT steps<={sft.steps} (stop at val acc {sft.target_accuracy} from {sft.min_steps}) lr={sft.lr} | RL steps={rl.steps} P={rl.prompts_per_step} G={rl.group_size} "
+        f"SFT steps<={sft.max_steps} (stop at val acc {sft.target_accuracy} from {sft.min_steps}) lr={sft.lr} | RL steps={rl.steps} P={rl.prompts_per_step} G={rl.group_size} "
         f"lr={rl.lr} T={rl.temperature} max_new={rl.max_new_tokens} quant={rl.quant}"
     )
     print(hdr)

@@ -28,7 +28,7 @@ data:
     "parameters_embedded_model.yml": """
 embedded_model:
   spec: {hidden_size: 64, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 2, intermediate_size: 128}
-  sft: {steps: 12, batch_size: 16}
+  sft: {steps: 12, batch_size: 16, target_accuracy: null}
   sft_size: 200
 """,
     "parameters_qerl_train.yml": """

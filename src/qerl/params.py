@@ -51,6 +51,7 @@ class TinyModelParams(_Strict):
     spec: dict[str, Any] = Field(default_factory=dict)
     sft: dict[str, Any] = Field(default_factory=dict)
     sft_size: int = Field(4000, ge=1)
+    val_size: int = Field(200, ge=0)  # validation split for SFT early stopping (never the eval prompts)
     sft_seed: int = 1
     tokenizer_vocab_size: int = 384
     eval_max_new_tokens: int = Field(16, ge=1)

@@ -192,7 +192,12 @@ def test_embedded_task_splits_and_warm_start():
         task,
         small,
         SFTConfig(
-            steps=12, batch_size=8, num_threads=1, min_steps=4, check_every=4, target_accuracy=2.0
+            max_steps=12,
+            batch_size=8,
+            num_threads=1,
+            min_steps=4,
+            check_every=4,
+            target_accuracy=2.0,
         ),
         sizes={"sft": 200, "val": 20, "rl": 50, "eval": 50},
         seed=0,
@@ -233,7 +238,9 @@ def test_sft_early_stop(tok):
     prompts = [t.split("\n")[0] + "\n" for t in TEXTS]
     comps = [t.split("\n", 1)[1] for t in TEXTS]
     calls = []
-    cfg = SFTConfig(steps=50, batch_size=5, min_steps=10, check_every=5, log_every=7, num_threads=1)
+    cfg = SFTConfig(
+        max_steps=50, batch_size=5, min_steps=10, check_every=5, log_every=7, num_threads=1
+    )
     _, hist = sft_train(
         model, tok, prompts, comps, cfg, should_stop=lambda s: calls.append(s) or s >= 20
     )

@@ -198,15 +198,17 @@ def extract_answer(text: str) -> str | None:
 class SFTConfig:
     """Warm-start recipe; the defaults are the embedded default's.
 
-    ``steps`` is the step budget. With ``target_accuracy`` set, :func:`embedded_warm_start`
-    checks greedy accuracy on a validation split every ``check_every`` steps from ``min_steps``
-    on and stops at the first check that reaches the target (so the warm start lands in a known
-    band instead of wherever a seed's learning curve happens to be after a fixed number of steps;
-    still deterministic given the seed). Use a ``constant`` schedule with early stopping (a cosine
-    schedule would be cut short).
+    Without a stop check :func:`sft_train` runs exactly ``steps`` steps. With one (a
+    ``should_stop`` callable, e.g. from :func:`accuracy_stop`, as :func:`embedded_warm_start`
+    builds from ``target_accuracy`` and a validation split) it checks every ``check_every`` steps
+    from ``min_steps`` on and stops at the first check that passes, or after ``max_steps``. The
+    early stop puts the warm start in a known accuracy band whatever the seed's learning curve
+    (measured: a fixed 750 steps gave 14%-50% held-out greedy accuracy over 5 seeds; stopping at
+    30% validation accuracy gave 31%-41%), and it stays deterministic given the seed. Use the
+    ``constant`` schedule with early stopping (a cosine schedule would be cut short).
     """
 
-    steps: int = 1500
+    steps: int = 750
     batch_size: int = 64
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -220,6 +222,7 @@ class SFTConfig:
     num_threads: int | None = 2
     target_accuracy: float | None = 0.30
     min_steps: int = 600
+    max_steps: int = 1500
     check_every: int = 50
 
 
@@ -262,6 +265,7 @@ def _lr_at(cfg: SFTConfig, step: int) -> float:
     if cfg.schedule == "constant":
         return cfg.lr
     t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    t = min(t, 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
@@ -276,11 +280,12 @@ def sft_train(
 ):
     """Supervised training on (prompt, completion) pairs, loss on completion tokens only.
 
-    Batches are drawn by a seeded permutation of the pairs (reshuffled each epoch). Runs
-    ``cfg.steps`` steps, or fewer when ``should_stop(step)`` (called every ``cfg.check_every``
-    steps from ``cfg.min_steps`` on, under a forked RNG so it cannot perturb training) returns
-    True. Returns ``(model, history)``; ``history`` holds one dict per logged step (``step``,
-    ``loss``, ``lr``, ``elapsed_s``), the last step always included.
+    Batches are drawn by a seeded permutation of the pairs (reshuffled each epoch). Without
+    ``should_stop`` it runs ``cfg.steps`` steps. With it, ``should_stop(step)`` is called every
+    ``cfg.check_every`` steps from ``cfg.min_steps`` on (under a forked RNG, so it cannot perturb
+    training) and training ends at the first True or after ``cfg.max_steps`` steps. Returns
+    ``(model, history)``; ``history`` holds one dict per logged step (``step``, ``loss``, ``lr``,
+    ``elapsed_s``), the last step always included.
     """
     cfg = cfg or SFTConfig()
     if cfg.schedule not in ("cosine", "constant"):
@@ -300,7 +305,8 @@ def sft_train(
     history: list[dict] = []
     t0 = time.perf_counter()
     running = 0.0
-    for step in range(cfg.steps):
+    total = cfg.steps if should_stop is None else cfg.max_steps
+    for step in range(total):
         if len(order) < cfg.batch_size:
             perm = list(range(len(p_ids)))
             rng.shuffle(perm)
@@ -323,7 +329,7 @@ def sft_train(
             with torch.random.fork_rng(devices=[]):
                 stop = bool(should_stop(n_done))
             model.train()
-        last = stop or step == cfg.steps - 1
+        last = stop or step == total - 1
         if n_done % cfg.log_every == 0 or last:
             k = n_done - (n_done - 1) // cfg.log_every * cfg.log_every
             rec = {
@@ -437,6 +443,31 @@ def score_completions(
 # --------------------------------------------------------------------------------------------
 
 
+def accuracy_stop(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    answers: Sequence[str] | Sequence[dict],
+    target: float,
+    scorer: Callable[[str | None, dict], float] | None = None,
+    max_new_tokens: int = 32,
+    batch_size: int = 256,
+) -> tuple[Callable[[int], bool], list[tuple[int, float]]]:
+    """A ``should_stop`` for :func:`sft_train`: True once greedy accuracy on ``prompts`` (a
+    validation split, never the held-out evaluation prompts) reaches ``target``. Also returns the
+    list it appends ``(step, accuracy)`` to at each check."""
+    curve: list[tuple[int, float]] = []
+
+    def should_stop(step: int) -> bool:
+        acc, _ = greedy_accuracy(
+            model, tokenizer, prompts, answers, max_new_tokens, batch_size, scorer=scorer
+        )
+        curve.append((step, acc))
+        return acc >= target
+
+    return should_stop, curve
+
+
 @dataclass
 class WarmStart:
     """What :func:`embedded_warm_start` built. ``val_curve``: ``(step, greedy accuracy)`` of the
@@ -494,14 +525,16 @@ def embedded_warm_start(
     if sft.target_accuracy is not None:
         if not splits.get("val"):
             raise ValueError("embedded_warm_start: target_accuracy needs a non-empty 'val' split")
-        score = scorer or task.scorer()
         val = splits["val"]
-        val_prompts = [task.prompt(e["question"]) for e in val]
-
-        def should_stop(step: int) -> bool:
-            acc, _ = greedy_accuracy(model, tok, val_prompts, val, max_new_tokens, scorer=score)
-            val_curve.append((step, acc))
-            return acc >= sft.target_accuracy
+        should_stop, val_curve = accuracy_stop(
+            model,
+            tok,
+            [task.prompt(e["question"]) for e in val],
+            val,
+            sft.target_accuracy,
+            scorer=scorer or task.scorer(),
+            max_new_tokens=max_new_tokens,
+        )
 
     model, history = sft_train(model, tok, prompts, comps, sft, should_stop=should_stop)
     steps = history[-1]["step"] if history else 0
