@@ -14,6 +14,7 @@ from qerl.eval.evaluate import correctness
 from qerl.modeling.sft import (
     EmbeddedTask,
     SFTConfig,
+    accuracy_stop,
     generate_completions,
     sft_train,
     split_entries,
