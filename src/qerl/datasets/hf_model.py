@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kedro.io.core import AbstractDataset, DatasetError
+
+from qerl.atomic import atomic_directory
 
 
 class HFModelDataset(AbstractDataset[dict[str, Any], dict[str, Any]]):
@@ -29,22 +28,9 @@ class HFModelDataset(AbstractDataset[dict[str, Any], dict[str, Any]]):
         return {"model": model, "tokenizer": tokenizer, "path": str(path)}
 
     def save(self, data: dict[str, Any]) -> None:
-        out = Path(self._path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=out.parent))
-        try:
+        with atomic_directory(Path(self._path)) as tmp:
             data["model"].save_pretrained(tmp, safe_serialization=True)
             data["tokenizer"].save_pretrained(tmp)
-            if out.exists():
-                old = out.with_name(f".old-{out.name}-{os.getpid()}")
-                os.replace(out, old)
-                os.replace(tmp, out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
     def _exists(self) -> bool:
         return (Path(self._path) / "config.json").exists()

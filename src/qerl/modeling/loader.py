@@ -28,9 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from qerl.atomic import atomic_directory
 from qerl.errors import QerlConfigError
 from qerl.quant.formats import FORMATS
 from qerl.quant.linear import (
@@ -679,23 +677,7 @@ def _compressed_tensors_config(model: nn.Module, fmt: str) -> dict[str, Any]:
 
 
 def _write_atomically(out: Path, write: Any) -> Path:
-    """Run ``write(tmp_dir)`` in a sibling temp dir, then rename it to ``out`` (replacing it)."""
-    out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; give it normal directory permissions
+    """Run ``write(tmp_dir)`` in a hidden sibling directory, then rename it to ``out``."""
+    with atomic_directory(out) as tmp:
         write(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return out.expanduser()

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qerl.atomic import atomic_directory
 from qerl.errors import QerlConfigError
 from qerl.modeling.loader import load_policy_base, load_quantized, save_quantized
 from qerl.modeling.lora import LoraSettings, apply_lora
@@ -132,9 +131,7 @@ def build_policy(spec: PolicySpec) -> tuple[Policy, list[dict[str, Any]]]:
 def save_policy(policy: Policy, out_dir: str | os.PathLike) -> Path:
     """Write ``spec.json`` (+ the quantized base for nvfp4/mxfp4) atomically into ``out_dir``."""
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         spec = asdict(policy.spec)
         spec["skip_modules"] = list(spec["skip_modules"])
         (tmp / "spec.json").write_text(json.dumps(spec, indent=2))
@@ -142,16 +139,6 @@ def save_policy(policy: Policy, out_dir: str | os.PathLike) -> Path:
             base = policy.model.get_base_model()
             with policy.model.disable_adapter():
                 save_quantized(_without_lora(base), policy.tokenizer, tmp / "base")
-        if out.exists():  # move the old copy aside first: a kill in between never leaves no policy
-            old = out.with_name(f".old-{out.name}-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -15,8 +15,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from qerl.atomic import atomic_directory
 from qerl.errors import QerlConfigError
 
 STEP_PREFIX = "step_"
@@ -109,9 +108,7 @@ def run_dir(root: str | os.PathLike, run_name: str, fp: str) -> Path:
 def save_checkpoint(state: TrainState, adapter: dict[str, torch.Tensor], root: str | os.PathLike) -> Path:
     """Write the checkpoint for ``state.step`` atomically and return its directory."""
     final = run_dir(root, state.run_name, state.fingerprint) / f"{STEP_PREFIX}{state.step:06d}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=final.parent))
-    try:
+    with atomic_directory(final) as tmp:
         save_file({k: v.contiguous() for k, v in adapter.items()}, str(tmp / "adapter.safetensors"))
         torch.save(
             {
@@ -131,16 +128,6 @@ def save_checkpoint(state: TrainState, adapter: dict[str, torch.Tensor], root: s
             "history": state.history,
         }
         (tmp / "trainer_state.json").write_text(json.dumps(meta, default=_json_default))
-        if final.exists():  # a rerun of the same step replaces the old one, still atomically
-            old = final.with_name(f".old-{final.name}-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

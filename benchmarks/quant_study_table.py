@@ -1,0 +1,64 @@
+"""Print the newest ``quant_study`` results as the markdown table of docs/quantization-study.md and
+write them as JSON.
+
+    kedro run --pipeline=quant_study            # first: the study itself
+    python3 benchmarks/quant_study_table.py [--project .] [--out benchmarks/results/quant_study.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+
+COLUMNS = [
+    ("variant", "variant", "{}"),
+    ("pass@1_after", "held-out greedy pass@1 after", "{:.3f} ± {:.3f}"),
+    ("pass@1_gain", "gain over its own warm start (points)", "{:+.1f} ± {:.1f}"),
+    ("pass@k_after", "pass@k after", "{:.3f} ± {:.3f}"),
+    ("steps_to_threshold", "steps to reward threshold", "{:.1f} ± {:.1f}"),
+    ("entropy_first_third", "entropy, first third (nats/token)", "{:.3f} ± {:.3f}"),
+    ("kl_to_full_precision", "KL(fp ‖ base) (nats/token)", "{:.4f} ± {:.4f}"),
+    ("seconds_per_step", "s / step", "{:.2f} ± {:.2f}"),
+    ("peak_mem_gib", "peak RSS GiB", "{:.2f} ± {:.2f}"),
+]
+
+
+def newest(path: Path) -> Path:
+    return sorted(p for p in path.glob("*/*") if p.is_file())[-1]
+
+
+def table(runs: pd.DataFrame) -> tuple[str, list[dict]]:
+    runs = runs.assign(**{"pass@1_gain": 100 * (runs["pass@1_after"] - runs["pass@1_before"])})
+    rows, lines = [], ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for variant, g in runs.groupby("variant", sort=False):
+        row = {"variant": variant, "seeds": len(g)}
+        cells = [variant]
+        for col, _, fmt in COLUMNS[1:]:
+            mean, std = float(g[col].mean()), float(g[col].std(ddof=1)) if len(g) > 1 else 0.0
+            row[f"{col}_mean"], row[f"{col}_std"] = mean, std
+            cells.append(fmt.format(mean, std) if pd.notna(mean) else "never")
+        rows.append(row)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines), rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--project", default=".")
+    ap.add_argument("--out", default="benchmarks/results/quant_study.json")
+    args = ap.parse_args()
+    rep = Path(args.project) / "data" / "08_reporting"
+    runs_file = newest(rep / "quant_study_runs.csv")
+    runs = pd.read_csv(runs_file)
+    md, rows = table(runs)
+    print(md)  # noqa: T201
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"source": str(runs_file), "variants": rows, "runs": runs.to_dict("records")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
