@@ -49,15 +49,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--project", default=".")
     ap.add_argument("--out", default="benchmarks/results/quant_study.json")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="recompute steps_to_threshold from the saved per-step metrics with this reward threshold")
     args = ap.parse_args()
     rep = Path(args.project) / "data" / "08_reporting"
     runs_file = newest(rep / "quant_study_runs.csv")
     runs = pd.read_csv(runs_file)
+    if args.threshold is not None:
+        from qerl.study.summary import first_step_reaching
+
+        metrics = pd.read_parquet(newest(rep / "quant_study_metrics.parquet"))
+        steps = {k: first_step_reaching(m, "reward_mean", args.threshold) for k, m in metrics.groupby(["variant", "seed"])}
+        runs["steps_to_threshold"] = [steps[(v, s)] for v, s in zip(runs["variant"], runs["seed"], strict=True)]
     md, rows = table(runs)
     print(md)  # noqa: T201
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"source": str(runs_file), "variants": rows, "runs": runs.to_dict("records")}, indent=2))
+    out.write_text(json.dumps({"source": str(runs_file), "threshold": args.threshold, "variants": rows,
+                               "runs": runs.to_dict("records")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ class StudyParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
     steps: int = 40
-    reward_threshold: float = 1.6
+    reward_threshold: float = 1.0
     probe_size: int = 16
     eval_max_prompts: int | None = 100
     eval_k: int = 4
