@@ -29,7 +29,7 @@ def compare_formats(params: TrainParams) -> pd.DataFrame:
         spec = dataclasses.replace(policy_spec(params), format=fmt)
         policy, report = build_policy(spec)
         df = pd.DataFrame(report)
-        quantized = df[df["format"] != "none"] if "format" in df else df
+        quantized = df[df["format"] == fmt]
         total_bytes = int(df["weight_bytes"].sum())
         rows.append(
             {
@@ -38,6 +38,10 @@ def compare_formats(params: TrainParams) -> pd.DataFrame:
                 "quantized_layers": len(quantized) if fmt != "none" else 0,
                 "weight_bytes": total_bytes,
                 "bits_per_weight": 8 * total_bytes / max(1, int(df["n_params"].sum())),
+                "bits_per_weight_quantized_layers": (
+                    8 * int(quantized["weight_bytes"].sum()) / max(1, int(quantized["n_params"].sum()))
+                    if len(quantized) else float("nan")
+                ),
                 "rel_error_mean": float(df["rel_error"].mean()),
                 "rel_error_max": float(df["rel_error"].max()),
                 "lora_params": sum(p.numel() for p in policy.lora_parameters()),
