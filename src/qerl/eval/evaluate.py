@@ -17,7 +17,7 @@ import torch
 from qerl.rewards.base import build_reward, score_completions
 from qerl.rollout.base import RolloutEngine, SamplingParams
 from qerl.train.policy import Policy
-from qerl.train.steps import encode_prompts
+from qerl.train.steps import decode_completions, encode_prompts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -87,10 +87,4 @@ def evaluate_policy(
 
 def _decode(policy: Policy, batch: Any) -> list[str]:
     lengths = batch.completion_lengths.tolist()
-    texts = policy.tokenizer.batch_decode(
-        [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths, strict=False)], skip_special_tokens=False
-    )
-    for tok in (policy.tokenizer.eos_token, policy.tokenizer.pad_token):
-        if tok:
-            texts = [t.replace(tok, "") for t in texts]
-    return texts
+    return decode_completions(policy, [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths, strict=True)])

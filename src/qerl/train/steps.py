@@ -147,8 +147,7 @@ def _rollouts_table(
     comp_ids = [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths, strict=False)]
     logps = [row[:n].tolist() for row, n in zip(batch.logprobs, lengths, strict=False)]
     ent = batch.extras.get("entropy")
-    texts = policy.tokenizer.batch_decode(comp_ids, skip_special_tokens=False)
-    texts = [_strip_special(policy, t) for t in texts]
+    texts = decode_completions(policy, comp_ids)
     idx = batch.prompt_index.tolist()
     src = prompts.iloc[idx].reset_index(drop=True)
     table = pd.DataFrame(
@@ -180,11 +179,13 @@ def _rollouts_table(
     return table
 
 
-def _strip_special(policy: Policy, text: str) -> str:
+def decode_completions(policy: Policy, completion_ids: list[list[int]]) -> list[str]:
+    """Completion texts with the EOS / pad markers removed (the format tags are kept)."""
+    texts = policy.tokenizer.batch_decode(completion_ids, skip_special_tokens=False)
     for tok in (policy.tokenizer.eos_token, policy.tokenizer.pad_token):
         if tok:
-            text = text.replace(tok, "")
-    return text
+            texts = [t.replace(tok, "") for t in texts]
+    return texts
 
 
 def score_step(
