@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qerl.errors import QerlConfigError
@@ -11,9 +13,14 @@ from qerl.rollout.hf import HFGenerateEngine
 ENGINES = ("auto", "hf", "fast")
 
 
+@functools.lru_cache(maxsize=8)
 def get_engine(name: str, device: torch.device) -> RolloutEngine:
     """``hf``: transformers generate; ``fast``: our static-cache engine (CUDA graphs on GPU, plain
-    torch on CPU); ``auto``: fast on CUDA, hf on CPU."""
+    torch on CPU); ``auto``: fast on CUDA, hf on CPU.
+
+    One engine per (name, device) for the process: the fast engine keeps its KV cache, plan and
+    captured graphs across RL steps instead of rebuilding them every step.
+    """
     if name not in ENGINES:
         raise QerlConfigError("rollout.engine", f"unknown engine {name!r}", f"use one of {', '.join(ENGINES)}")
     if name == "hf" or (name == "auto" and device.type != "cuda"):
