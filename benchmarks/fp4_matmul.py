@@ -149,16 +149,30 @@ class ShapeSet:
 
 
 def sweep_configs(M: int):
-    """(SWAP, BM, BN, BKW, num_warps) candidates for one M."""
+    """(SWAP, BM, BN, BKW, num_warps, num_stages, programs per SM) candidates for one M.
+
+    The first of each list is the old default; the others trade shared memory / registers
+    (stages, tile sizes) for occupancy, and change how many programs split-K aims at.
+    """
     if M <= 16:
-        return [(True, 16, 64, 32, 4), (True, 16, 128, 32, 4), (True, 16, 128, 64, 4),
-                (True, 16, 64, 64, 4), (True, 16, 128, 32, 8), (False, 16, 64, 32, 4),
-                (False, 16, 128, 32, 4)]
+        return [(True, 16, 64, 32, 4, 3, 2), (True, 16, 128, 32, 4, 2, 2),
+                (True, 16, 64, 32, 4, 2, 4), (True, 16, 64, 64, 4, 2, 2),
+                (True, 16, 128, 64, 4, 2, 2), (True, 16, 64, 16, 4, 2, 4),
+                (True, 16, 128, 32, 8, 3, 2), (False, 16, 64, 32, 4, 3, 2)]
+    if M <= 32:
+        return [(True, 32, 128, 32, 4, 3, 2), (True, 32, 64, 16, 4, 2, 4),
+                (True, 32, 128, 16, 4, 2, 4), (True, 32, 64, 32, 4, 2, 4),
+                (True, 32, 128, 32, 8, 2, 2), (True, 32, 64, 16, 4, 3, 3),
+                (True, 32, 128, 16, 8, 3, 3)]
     if M <= 64:
-        return [(True, 64, 64, 32, 4), (True, 64, 128, 32, 4), (True, 64, 128, 32, 8),
-                (True, 64, 64, 64, 4), (True, 64, 128, 64, 8), (False, 16, 64, 32, 4)]
-    return [(True, 128, 128, 32, 8), (True, 64, 128, 32, 4), (True, 128, 64, 32, 4),
-            (False, 16, 64, 32, 4)]
+        return [(True, 64, 128, 32, 8, 3, 2), (True, 64, 128, 32, 8, 2, 2),
+                (True, 64, 128, 32, 4, 2, 2), (True, 64, 64, 32, 4, 2, 2),
+                (True, 64, 64, 32, 4, 3, 2), (True, 64, 64, 16, 4, 2, 4),
+                (True, 64, 128, 16, 4, 2, 2), (True, 64, 64, 64, 4, 2, 2),
+                (True, 64, 128, 32, 8, 2, 4), (True, 64, 32, 64, 4, 2, 2),
+                (True, 64, 128, 16, 8, 3, 3)]
+    return [(True, 128, 128, 32, 8, 3, 2), (True, 64, 128, 32, 4, 3, 2),
+            (True, 128, 64, 32, 4, 3, 2), (False, 16, 64, 32, 4, 3, 2)]
 
 
 SWEEP_SHAPES = ("q_proj", "gate_up", "down_proj")
@@ -199,6 +213,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,64,256")
     ap.add_argument("--sweep-ms", default="16,64", help="M values to sweep tile configs at")
     ap.add_argument("--layouts", default="natural", help="natural,permuted")
+    ap.add_argument("--tuning-out", default=None,
+                    help="write the best swept tiles here (load with QERL_FP4_TUNING=<file>)")
     ap.add_argument("--choose-layout", action="store_true",
                     help="check the permuted-x path and print LAYOUT=permuted if it is correct "
                          "and faster than natural at M=64 on the 7B shapes, else LAYOUT=natural")
@@ -217,6 +233,7 @@ def main() -> None:
     result = {"device": dev, "copy_bw": bw, "matmul_flops": rate, "rows": [], "sweep": [],
               "prefill": [], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     fk.reserve_workspace(torch.device("cuda"), 256, 18944)
+    tuning: dict = {}
     for fmt in fmts:
         sets = {name: ShapeSet(N, K, silu, fmt) for name, N, K, silu in SHAPES_7B}
         for M in Ms:
@@ -254,19 +271,20 @@ def main() -> None:
                       f"x{row['speedup_vs_bf16']:.2f} | flop floor {row['flop_floor_us']:.1f} us "
                       + " ".join(f"{k}={v['GBps']:.0f}" for k, v in per.items()), flush=True)
             if args.sweep and fmt == fmts[0] and str(M) in args.sweep_ms.split(","):
-                best = {}
-                for SW, BM, BN, BKW, nw in sweep_configs(M):
-                    cfg_t, ok = 0.0, True
+                totals = []
+                for SW, BM, BN, BKW, nw, stages, per_sm in sweep_configs(M):
+                    times, ok = {}, True
                     for name, N, K, silu in SHAPES_7B:
                         if name not in SWEEP_SHAPES:
                             continue
                         ss = sets[name]
                         tiles = -(-M // BM) * -(-N // BN)
                         split = 1
-                        while tiles * split < 264 and split * 2 <= max(1, (K // 8) // (BKW * 2)):
+                        while (tiles * split < per_sm * 132
+                               and split * 2 <= max(1, (K // 8) // (BKW * 2))):
                             split *= 2
                         cfg = fk.Fp4Config(BM=BM, BN=BN, BKW=BKW, SPLIT_K=split, num_warps=nw,
-                                           num_stages=3, SWAP=SW)
+                                           num_stages=stages, SWAP=SW)
                         xin = xd if K == 18944 else x
                         n_failed = len(fk._FAILED_CONFIGS)
                         try:
@@ -279,19 +297,30 @@ def main() -> None:
                             print(f"  config {cfg} did not compile")
                             ok = False
                             break
-                        cfg_t += t
-                        rec = {"M": M, "shape": name, "SWAP": SW, "BM": BM, "BN": BN, "BKW": BKW,
-                               "num_warps": nw, "SPLIT_K": split, "us": t * 1e6,
-                               "GBps": ss.bytes_fp4 / t / 1e9}
-                        result["sweep"].append(rec)
-                        key = (name,)
-                        if key not in best or t * 1e6 < best[key]["us"]:
-                            best[key] = rec
-                    if ok:
-                        print(f"  sweep M={M} SWAP={SW} BM={BM} BN={BN} BKW={BKW} warps={nw}: "
-                              f"{cfg_t * 1e6:.1f} us for {SWEEP_SHAPES}", flush=True)
-                for k, v in best.items():
-                    print(f"  best M={M} {k[0]}: {v}", flush=True)
+                        times[name] = t
+                        result["sweep"].append({"M": M, "shape": name, "SWAP": SW, "BM": BM,
+                                                "BN": BN, "BKW": BKW, "num_warps": nw,
+                                                "num_stages": stages, "programs_per_sm": per_sm,
+                                                "SPLIT_K": split, "us": t * 1e6,
+                                                "GBps": ss.bytes_fp4 / t / 1e9})
+                    if not ok:
+                        continue
+                    print(f"  sweep M={M} SWAP={SW} BM={BM} BN={BN} BKW={BKW} warps={nw} "
+                          f"stages={stages} programs={per_sm}/SM: "
+                          + " ".join(f"{k} {v * 1e6:.1f} us" for k, v in times.items()),
+                          flush=True)
+                    entry = {"SWAP": SW, "BM": BM, "BN": BN, "BKW": BKW, "num_warps": nw,
+                             "num_stages": stages, "programs": per_sm * 132}
+                    # per decoder layer: q and o share a shape (k, v are small), down once
+                    totals.append((2 * times["q_proj"] + times["down_proj"], False, entry))
+                    totals.append((times["gate_up"], True, entry))
+                bucket = fk._m_bucket(M)
+                for silu in (False, True):
+                    cands = [c for c in totals if c[1] == silu]
+                    if cands:
+                        t, _, entry = min(cands, key=lambda c: c[0])
+                        tuning[f"{bucket},{silu}"] = entry
+                        print(f"  best M={M} silu={silu}: {entry} ({t * 1e6:.1f} us)", flush=True)
         # prefill: fused kernel vs dequantize + cuBLAS
         for M in (1024, 8192):
             for name in ("gate_up", "down_proj"):
@@ -322,8 +351,13 @@ def main() -> None:
                       f"({rec['dequant_TFLOPs']:.0f} TFLOP/s)", flush=True)
         del sets
         torch.cuda.empty_cache()
+    result["tuning"] = tuning
+    result["config_table"] = {f"{m},{silu}": v for (m, silu), v in fk.CONFIG_TABLE.items()}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
+    if args.tuning_out and tuning:
+        with open(args.tuning_out, "w") as f:
+            json.dump(tuning, f, indent=1)
     print("\n| fmt | M | x layout | layer us | GB/s | % copy bw | bf16 cuBLAS us | x vs bf16 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:

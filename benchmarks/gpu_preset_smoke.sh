@@ -23,7 +23,19 @@ echo "optimizer: $OPT" | tee -a "$OUT/gpu.txt"
 PARAMS="qerl.rl.steps=3,qerl.rl.prompts_per_step=16,qerl.rl.optimizer=$OPT,qerl.rl.save_every=3"
 PARAMS="$PARAMS,qerl.rollout.max_new_tokens=128,qerl.eval.max_prompts=32,qerl.eval.max_new_tokens=128"
 PARAMS="$PARAMS,qerl.report.max_new_tokens=64,qerl.report.probe_size=16,data.eval_size=64"
-/usr/bin/time -v python3 -m kedro run -e gpu_paper --pipeline=qerl_train --params "$PARAMS" 2>&1 | tee "$OUT/run.log"
+# a random model scores 0 on every sample, so every advantage is 0; the small entropy bonus gives
+# the LoRA update a non-zero gradient, so that the optimizer step on CUDA is exercised too
+PARAMS="$PARAMS,${QERL_SMOKE_EXTRA:-qerl.rl.entropy_coef=0.01}"
+ENGINE=${QERL_SMOKE_ENGINE:-auto}
+TIMER=""; [ -x /usr/bin/time ] && TIMER="/usr/bin/time -v"
+if ! $TIMER python3 -m kedro run -e gpu_paper --pipeline=qerl_train \
+    --params "$PARAMS,qerl.rollout.engine=$ENGINE" 2>&1 | tee "$OUT/run.log"; then
+  # keep the failing log, then show the loop on CUDA with the transformers-generate engine
+  mv "$OUT/run.log" "$OUT/run_${ENGINE}_failed.log"; ENGINE=hf
+  $TIMER python3 -m kedro run -e gpu_paper --pipeline=qerl_train \
+    --params "$PARAMS,qerl.rollout.engine=hf" 2>&1 | tee "$OUT/run.log"
+fi
+echo "rollout engine: $ENGINE" | tee -a "$OUT/gpu.txt"
 python3 - "$OUT" <<'PY'
 import glob, sys, pandas as pd
 out = sys.argv[1]

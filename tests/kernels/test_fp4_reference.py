@@ -218,3 +218,25 @@ def test_dequant_kernel(fmt) -> None:
     for asm in (True, False):
         w = fk.fp4_dequantize_triton(*args, use_asm=asm)
         assert _rel(w, ref) < 4e-3
+
+
+def test_load_tuning_overrides_pick_config(tmp_path, monkeypatch) -> None:
+    """A tile table from the benchmark's --tuning-out replaces the built-in entry it names."""
+    monkeypatch.setattr(fk, "CONFIG_TABLE", dict(fk.CONFIG_TABLE))
+    before = fk.pick_config(64, 3584, 3584)
+    before_silu = fk.pick_config(64, 18944, 3584, silu=True)
+    f = tmp_path / "tuning.json"
+    f.write_text('{"64,False": {"SWAP": true, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8, '
+                 '"num_stages": 3, "programs": 264}}')
+    fk.load_tuning(f)
+    cfg = fk.pick_config(64, 3584, 3584)
+    assert (cfg.BN, cfg.BKW, cfg.num_warps, cfg.num_stages) == (128, 32, 8, 3)
+    assert (cfg.BN, cfg.BKW) != (before.BN, before.BKW)
+    # split-K aims at the table's program count: 28 tiles of 128 rows -> 4 splits (112 programs;
+    # 8 would leave fewer than two 32-word K tiles per split of the 448 words)
+    assert cfg.SPLIT_K == 4
+    assert fk.pick_config(64, 18944, 3584, silu=True) == before_silu  # entry not named: kept
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"sixty-four": {"BM": 64}}')
+    with pytest.raises(ValueError, match="sixty-four"):
+        fk.load_tuning(bad)

@@ -31,6 +31,7 @@ the input is not on CUDA or Triton is missing).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
@@ -261,6 +262,47 @@ _FAILED_CONFIGS: set = set()
 
 if HAS_TRITON:
 
+    # PTX of the 8-code decode: each E2M1 code's 3 magnitude bits go to bf16 bits 8..6 and its
+    # sign to bit 15, which reads as ``e2m1 * 2^-126`` (subnormal for codes 0/1); one bf16x2
+    # multiply by ``scale * 2^118`` per pair of codes then gives ``e2m1 * scale * 2^-8``.
+    _DEQUANT8_PTX = tl.constexpr("""
+            {
+            .reg .b32 q, t, m, r0, r1, r2, r3, s2;
+            .reg .b16 sh;
+            mov.b32 q, $8;
+            mov.b16 sh, $9;
+            mov.b32 s2, {sh, sh};
+            shl.b32 t, q, 12;
+            and.b32 m, t, 0x70007000;
+            shr.b32 m, m, 6;
+            and.b32 t, t, 0x80008000;
+            or.b32 r0, m, t;
+            shl.b32 t, q, 8;
+            and.b32 m, t, 0x70007000;
+            shr.b32 m, m, 6;
+            and.b32 t, t, 0x80008000;
+            or.b32 r1, m, t;
+            shl.b32 t, q, 4;
+            and.b32 m, t, 0x70007000;
+            shr.b32 m, m, 6;
+            and.b32 t, t, 0x80008000;
+            or.b32 r2, m, t;
+            and.b32 m, q, 0x70007000;
+            shr.b32 m, m, 6;
+            and.b32 t, q, 0x80008000;
+            or.b32 r3, m, t;
+            mul.rn.bf16x2 r0, r0, s2;
+            mul.rn.bf16x2 r1, r1, s2;
+            mul.rn.bf16x2 r2, r2, s2;
+            mul.rn.bf16x2 r3, r3, s2;
+            mov.b32 {$0, $4}, r0;
+            mov.b32 {$1, $5}, r1;
+            mov.b32 {$2, $6}, r2;
+            mov.b32 {$3, $7}, r3;
+            }
+            """)
+    _DEQUANT8_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h")
+
     @triton.jit
     def _e4m3_bits_to_f32(b):
         b = b.to(tl.int32)
@@ -304,98 +346,18 @@ if HAS_TRITON:
     @triton.jit
     def _dequant8_asm(q, s):
         """int32 words (8 codes) x bf16 factor -> 8 bf16 tensors n0..n7 (n_j = code j of the word)."""
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 q, t, m, r0, r1, r2, r3, s2;
-            .reg .b16 sh;
-            mov.b32 q, $8;
-            mov.b16 sh, $9;
-            mov.b32 s2, {sh, sh};
-            shl.b32 t, q, 12;
-            and.b32 m, t, 0x70007000;
-            shr.b32 m, m, 6;
-            and.b32 t, t, 0x80008000;
-            or.b32 r0, m, t;
-            shl.b32 t, q, 8;
-            and.b32 m, t, 0x70007000;
-            shr.b32 m, m, 6;
-            and.b32 t, t, 0x80008000;
-            or.b32 r1, m, t;
-            shl.b32 t, q, 4;
-            and.b32 m, t, 0x70007000;
-            shr.b32 m, m, 6;
-            and.b32 t, t, 0x80008000;
-            or.b32 r2, m, t;
-            and.b32 m, q, 0x70007000;
-            shr.b32 m, m, 6;
-            and.b32 t, q, 0x80008000;
-            or.b32 r3, m, t;
-            mul.rn.bf16x2 r0, r0, s2;
-            mul.rn.bf16x2 r1, r1, s2;
-            mul.rn.bf16x2 r2, r2, s2;
-            mul.rn.bf16x2 r3, r3, s2;
-            mov.b32 {$0, $4}, r0;
-            mov.b32 {$1, $5}, r1;
-            mov.b32 {$2, $6}, r2;
-            mov.b32 {$3, $7}, r3;
-            }
-            """,
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
-            args=[q, s],
-            dtype=(tl.bfloat16,) * 8,
-            is_pure=True,
-            pack=1,
-        )
+        return tl.inline_asm_elementwise(asm=_DEQUANT8_PTX, constraints=_DEQUANT8_CONSTRAINTS,
+                                         args=[q, s], dtype=(tl.bfloat16,) * 8, is_pure=True,
+                                         pack=1)
 
     @triton.jit
     def _dequant8_asm_impure(q, s):
         """As :func:`_dequant8_asm` but not rematerialisable: the permuted-x path consumes the 8
         results by 8 different dots, and the compiler's layout rematerialisation of a
         multi-result asm op gave wrong results there (H200, Triton 3.6)."""
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 q, t, m, r0, r1, r2, r3, s2;
-            .reg .b16 sh;
-            mov.b32 q, $8;
-            mov.b16 sh, $9;
-            mov.b32 s2, {sh, sh};
-            shl.b32 t, q, 12;
-            and.b32 m, t, 0x70007000;
-            shr.b32 m, m, 6;
-            and.b32 t, t, 0x80008000;
-            or.b32 r0, m, t;
-            shl.b32 t, q, 8;
-            and.b32 m, t, 0x70007000;
-            shr.b32 m, m, 6;
-            and.b32 t, t, 0x80008000;
-            or.b32 r1, m, t;
-            shl.b32 t, q, 4;
-            and.b32 m, t, 0x70007000;
-            shr.b32 m, m, 6;
-            and.b32 t, t, 0x80008000;
-            or.b32 r2, m, t;
-            and.b32 m, q, 0x70007000;
-            shr.b32 m, m, 6;
-            and.b32 t, q, 0x80008000;
-            or.b32 r3, m, t;
-            mul.rn.bf16x2 r0, r0, s2;
-            mul.rn.bf16x2 r1, r1, s2;
-            mul.rn.bf16x2 r2, r2, s2;
-            mul.rn.bf16x2 r3, r3, s2;
-            mov.b32 {$0, $4}, r0;
-            mov.b32 {$1, $5}, r1;
-            mov.b32 {$2, $6}, r2;
-            mov.b32 {$3, $7}, r3;
-            }
-            """,
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
-            args=[q, s],
-            dtype=(tl.bfloat16,) * 8,
-            is_pure=False,
-            pack=1,
-        )
+        return tl.inline_asm_elementwise(asm=_DEQUANT8_PTX, constraints=_DEQUANT8_CONSTRAINTS,
+                                         args=[q, s], dtype=(tl.bfloat16,) * 8, is_pure=False,
+                                         pack=1)
 
     @triton.jit
     def _e2m1_code_to_f32(c):
@@ -667,15 +629,55 @@ def _num_sms(device: torch.device) -> int:
 
 #: tuned overrides, filled from the H200 micro-benchmark: (M-bucket, silu) -> config fields.
 CONFIG_TABLE: dict[tuple[int, bool], dict] = {
-    # H200 sweep (benchmarks/fp4_matmul.py --sweep, 2026-11-30): M=64 on the 7B shapes
-    (64, False): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
-    (64, True): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
+    # H200 sweep (benchmarks/fp4_matmul.py --sweep --tuning-out, 2026-11-30 10:40 UTC, the 7B
+    # shapes; benchmarks/results/fp4_tuning_h200.json). Two stages and 16-word K tiles halve the
+    # shared memory of the old 3-stage / 32-word tiles (one 8-warp block per SM, 12.5% occupancy
+    # in Nsight Compute) and more programs fill the 132 SMs: M=1 and 16 +40%, M=64 +11%;
+    # M=32 from a second sweep (10:47 UTC) took the 32B B=32 rollout from 1141 to 1327 tok/s.
+    (16, False): {"SWAP": True, "BM": 16, "BN": 64, "BKW": 16, "num_warps": 4, "num_stages": 2,
+                  "programs": 528},
+    (16, True): {"SWAP": True, "BM": 16, "BN": 64, "BKW": 32, "num_warps": 4, "num_stages": 2,
+                 "programs": 528},
+    (32, False): {"SWAP": True, "BM": 32, "BN": 64, "BKW": 16, "num_warps": 4, "num_stages": 3,
+                  "programs": 396},
+    (32, True): {"SWAP": True, "BM": 32, "BN": 64, "BKW": 16, "num_warps": 4, "num_stages": 3,
+                 "programs": 396},
+    (64, False): {"SWAP": True, "BM": 64, "BN": 64, "BKW": 16, "num_warps": 4, "num_stages": 2,
+                  "programs": 528},
+    (64, True): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 16, "num_warps": 8, "num_stages": 3,
+                 "programs": 396},
     # BM=128 tiles run out of shared memory / registers: 64-row tiles over M instead
     (128, False): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
     (128, True): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
     (256, False): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
     (256, True): {"SWAP": True, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8},
 }
+
+
+_TUNABLE = ("SWAP", "BM", "BN", "BKW", "num_warps", "num_stages", "programs", "SPLIT_K")
+
+
+def load_tuning(path: str | os.PathLike) -> dict:
+    """Merge a tile table written by ``benchmarks/fp4_matmul.py --tuning-out`` into
+    :data:`CONFIG_TABLE` (keys ``"<M-bucket>,<silu>"``, e.g. ``"64,False"``); returns what was read.
+
+    Also read at import from the file named by ``QERL_FP4_TUNING``.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    for key, cfg in data.items():
+        try:
+            m, silu = key.split(",")
+            entry = {k: cfg[k] for k in _TUNABLE if k in cfg}
+            CONFIG_TABLE[(int(m), silu.strip() == "True")] = entry
+        except (ValueError, AttributeError, TypeError) as e:
+            raise ValueError(f"{path}: tuning key {key!r} must look like '64,False' with a dict of "
+                             f"{_TUNABLE} as value") from e
+    return data
+
+
+if os.environ.get("QERL_FP4_TUNING"):
+    load_tuning(os.environ["QERL_FP4_TUNING"])
 
 
 def _m_bucket(M: int) -> int:
@@ -929,5 +931,5 @@ __all__ = [
     "USE_ASM_DEFAULT", "e2m1_table", "unpack_e2m1", "unpack_e2m1_codes", "pack_e2m1",
     "decode_scale", "dequantize_fp4", "quantize_fp4", "permute_activation", "unpermute_activation",
     "fp4_linear_reference", "fp4_linear_triton", "fp4_dequantize_triton", "fp4_linear",
-    "pick_config", "reserve_workspace", "fp4_self_check",
+    "pick_config", "load_tuning", "reserve_workspace", "fp4_self_check",
 ]
