@@ -3,6 +3,10 @@ write them as JSON.
 
     kedro run --pipeline=quant_study            # first: the study itself
     python3 benchmarks/quant_study_table.py [--project .] [--out benchmarks/results/quant_study.json]
+
+After rerunning only some variants (a conf env whose ``quant_study.variants`` lists just those),
+``--replace-into benchmarks/results/quant_study.json`` keeps the other variants' runs from that
+earlier JSON and replaces the rerun ones.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/quant_study.json")
     ap.add_argument("--threshold", type=float, default=None,
                     help="recompute steps_to_threshold from the saved per-step metrics with this reward threshold")
+    ap.add_argument("--replace-into", default=None,
+                    help="earlier JSON whose runs are kept for the variants not in the newest run")
     args = ap.parse_args()
     rep = Path(args.project) / "data" / "08_reporting"
     runs_file = newest(rep / "quant_study_runs.csv")
@@ -61,11 +67,22 @@ def main() -> None:
         metrics = pd.read_parquet(newest(rep / "quant_study_metrics.parquet"))
         steps = {k: first_step_reaching(m, "reward_mean", args.threshold) for k, m in metrics.groupby(["variant", "seed"])}
         runs["steps_to_threshold"] = [steps[(v, s)] for v, s in zip(runs["variant"], runs["seed"], strict=True)]
+    sources = [str(runs_file)]
+    if args.replace_into:
+        old = json.loads(Path(args.replace_into).read_text())
+        kept = pd.DataFrame([r for r in old["runs"] if r["variant"] not in set(runs["variant"])])
+        order = list(dict.fromkeys(r["variant"] for r in old["runs"]))
+        order += [v for v in runs["variant"].unique() if v not in order]
+        runs = pd.concat([kept, runs], ignore_index=True)
+        runs = runs.iloc[sorted(range(len(runs)), key=lambda i: (order.index(runs["variant"][i]),
+                                                                  runs["seed"][i]))]
+        old_src = old.get("source")
+        sources = [*(old_src if isinstance(old_src, list) else [old_src]), *sources]
     md, rows = table(runs)
     print(md)  # noqa: T201
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"source": str(runs_file), "threshold": args.threshold, "variants": rows,
+    out.write_text(json.dumps({"source": sources if len(sources) > 1 else sources[0], "threshold": args.threshold, "variants": rows,
                                "runs": runs.to_dict("records")}, indent=2))
 
 

@@ -240,3 +240,27 @@ def test_load_tuning_overrides_pick_config(tmp_path, monkeypatch) -> None:
     bad.write_text('{"sixty-four": {"BM": 64}}')
     with pytest.raises(ValueError, match="sixty-four"):
         fk.load_tuning(bad)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [9, 32, 50, 128, 200])
+def test_kernel_default_tiles_every_bucket(fmt, M) -> None:
+    """The built-in tile table (every M bucket, plain and fused gate/up + LoRA) is exact."""
+    torch.manual_seed(100 + M)
+    N, K, r = 1000, 1024, 16
+    q1, x = _case(fmt, M, N, K)
+    q2, _ = _case(fmt, M, N, K)
+    args = (q1["weight_packed"], q1["weight_scale"], fmt, q1.get("weight_global_scale"))
+    ref = fk.fp4_linear_reference(x, *args, out_dtype=torch.float32)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = fk.fp4_linear_triton(x, *args, out=out)
+    assert not torch.isnan(y).any() and _rel(y, ref) < 8e-3, _rel(y, ref)
+    xa = torch.randn(M, 2 * r, device="cuda").to(torch.bfloat16)
+    lb = [(torch.randn(N, r, device="cuda") * 0.1).to(torch.bfloat16) for _ in range(2)]
+    gu = {"packed": q2["weight_packed"], "scale": q2["weight_scale"],
+          "global_scale": q2.get("weight_global_scale"), "lora_xa": xa[:, r:], "lora_b": lb[1]}
+    kw = dict(lora_xa=xa[:, :r], lora_b=lb[0], gate_up=gu)
+    ref2 = fk.fp4_linear_reference(x, *args, **kw, out_dtype=torch.bfloat16)
+    y2 = fk.fp4_linear_triton(x, *args, **kw)
+    assert _rel(y2, ref2) < 2e-2, _rel(y2, ref2)

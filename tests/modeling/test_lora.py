@@ -103,6 +103,47 @@ def test_one_training_step_changes_only_lora(tiny_model_dir: Path, fmt: str) -> 
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_eval_forward_leaves_training_gradients_intact(tiny_model_dir: Path, fmt: str) -> None:
+    """An inference forward (evaluation, rollouts) must not change what training computes.
+
+    Regression: bitsandbytes repacked Linear4bit weights for CPU inference on the first eval-mode
+    no-grad forward (on CPUs with AVX512-BF16) and from then on ran a matmul without backward,
+    so no gradient flowed through the frozen 4-bit layers and NF4/FP4 LoRA barely learned.
+    """
+    model = apply_lora(_load(tiny_model_dir, fmt), LoraSettings(r=4, alpha=8))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ids = _batch(3)
+
+    def grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids).logits
+        torch.log_softmax(logits, -1)[..., 5].mean().backward()
+        model.eval()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                 if p.requires_grad}
+
+    logits0, g0 = grads()
+    with torch.no_grad():
+        model(input_ids=_batch(4))  # e.g. evaluate_before or a rollout
+        model(input_ids=_batch(5)[:1, :1])  # a single-row decode step
+    logits1, g1 = grads()
+    assert torch.allclose(logits0, logits1, atol=1e-5, rtol=0)
+    first_q = [n for n in g0 if "layers.0." in n and "q_proj.lora_B" in n]
+    assert first_q and float(g0[first_q[0]].norm()) > 0, "no gradient reaches the first layer"
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-6, rtol=1e-4), n
+    packed = [n for n, m in model.named_modules()
+              if getattr(getattr(getattr(m, "weight", None), "quant_state", None),
+                         "packing_format_for_cpu", False)]
+    assert not packed
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_adapter_save_and_load(tiny_model_dir: Path, tmp_path: Path, fmt: str) -> None:
     from peft import PeftModel
 

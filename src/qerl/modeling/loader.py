@@ -228,6 +228,7 @@ def load_policy_base(
         model = _from_pretrained(
             path, dev, dtype, _bnb_config(fmt, dtype, bnb_double_quant, skip_modules)
         )
+        keep_bnb_weights_trainable(model)
         rows = _report_against_checkpoint(model, _safetensors_files(path), dev)
     else:
         model, rows = _load_fp4_streaming(
@@ -332,6 +333,32 @@ def _from_pretrained(
         trust_remote_code=False,
         **kwargs,
     )
+
+
+def keep_bnb_weights_trainable(model: nn.Module) -> int:
+    """Stop bitsandbytes from repacking ``Linear4bit`` weights for CPU inference; returns how many
+    layers were touched.
+
+    bitsandbytes 0.50 converts a ``Linear4bit`` weight in place to an AVX512-BF16 layout the first
+    time it runs an eval-mode forward without grad on a CPU that has AVX512-BF16 (our
+    ``evaluate_before`` or the first rollout), and never converts it back. From then on every
+    ``matmul_4bit`` on CPU goes through ``gemv_4bit``, which has no backward, so in training no
+    gradient reaches a layer's input through the frozen base weight and the LoRA adapters of every
+    earlier layer learn from a truncated gradient (q/k/v/gate/up get exactly 0 while lora_B is 0).
+    That is why NF4/FP4 did not learn in the first quantization study. The flag is bitsandbytes'
+    own per-layer switch (``support_avx512bf16_for_cpu``); the cost is the slower, unpacked CPU
+    inference path.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
 
 
 def _bnb_config(
