@@ -1,6 +1,6 @@
 """Time the README's main command on a fresh clone and report what it produced.
 
-    python3 benchmarks/main_command.py [--clone-to /tmp/qerl_clean] [--out benchmarks/results/main_command.json]
+    .venv/bin/python benchmarks/main_command.py [--clone-to /tmp/qerl_clean] [--out benchmarks/results/main_command.json]
 
 Clones this repository (committed state) into a fresh directory, runs ``make setup`` (venv +
 install) and then ``make run`` (embedded model + qerl_train), timing each, and reads the catalog
