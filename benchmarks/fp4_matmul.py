@@ -151,8 +151,9 @@ class ShapeSet:
 def sweep_configs(M: int):
     """(SWAP, BM, BN, BKW, num_warps, num_stages, programs per SM) candidates for one M.
 
-    The first of each list is the old default; the others trade shared memory / registers
-    (stages, tile sizes) for occupancy, and change how many programs split-K aims at.
+    The first of the M <= 64 list is the tile-table entry before the 2026-11-30 sweep; the others
+    trade shared memory / registers (stages, tile sizes) for occupancy, and change how many
+    programs per SM split-K aims at.
     """
     if M <= 16:
         return [(True, 16, 64, 32, 4, 3, 2), (True, 16, 128, 32, 4, 2, 2),
@@ -233,7 +234,12 @@ def main() -> None:
     result = {"device": dev, "copy_bw": bw, "matmul_flops": rate, "rows": [], "sweep": [],
               "prefill": [], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     fk.reserve_workspace(torch.device("cuda"), 256, 18944)
+    sms = fk._num_sms(torch.device("cuda"))
     tuning: dict = {}
+    sweep_ms = [int(m) for m in args.sweep_ms.split(",")] if args.sweep else []
+    if len({fk._m_bucket(m) for m in sweep_ms}) < len(sweep_ms):
+        raise SystemExit(f"--sweep-ms {args.sweep_ms}: sweep one M per tile-table bucket "
+                         "(16, 32, 64, 128, 256), or the later M would overwrite the earlier")
     for fmt in fmts:
         sets = {name: ShapeSet(N, K, silu, fmt) for name, N, K, silu in SHAPES_7B}
         for M in Ms:
@@ -280,7 +286,7 @@ def main() -> None:
                         ss = sets[name]
                         tiles = -(-M // BM) * -(-N // BN)
                         split = 1
-                        while (tiles * split < per_sm * 132
+                        while (tiles * split < per_sm * sms
                                and split * 2 <= max(1, (K // 8) // (BKW * 2))):
                             split *= 2
                         cfg = fk.Fp4Config(BM=BM, BN=BN, BKW=BKW, SPLIT_K=split, num_warps=nw,
@@ -310,7 +316,7 @@ def main() -> None:
                           + " ".join(f"{k} {v * 1e6:.1f} us" for k, v in times.items()),
                           flush=True)
                     entry = {"SWAP": SW, "BM": BM, "BN": BN, "BKW": BKW, "num_warps": nw,
-                             "num_stages": stages, "programs": per_sm * 132}
+                             "num_stages": stages, "programs": per_sm * sms}
                     # per decoder layer: q and o share a shape (k, v are small), down once
                     totals.append((2 * times["q_proj"] + times["down_proj"], False, entry))
                     totals.append((times["gate_up"], True, entry))

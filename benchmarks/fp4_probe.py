@@ -62,6 +62,8 @@ def _dot_scaled_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN
 def dot_scaled_linear(x, packed, scale, BM=64, BN=64, BK=256, num_warps=4, num_stages=3):
     M, K = x.shape
     N = packed.shape[0]
+    if K % BK:
+        raise ValueError(f"the dot_scaled probe kernel has no K mask: K={K} must be a multiple of {BK}")
     y = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM))
     _dot_scaled_kernel[grid](x, packed, scale.view(torch.uint8), y, M, N, K, BM=BM, BN=BN, BK=BK,
@@ -92,7 +94,7 @@ def main() -> None:
                                  q["weight_global_scale"])
         torch.cuda.synchronize()
         return
-    fk.reserve_workspace(torch.device("cuda"), 64, 18944)
+    fk.reserve_workspace(torch.device("cuda"), M, 18944)
     rows = []
     for name, N, K in SHAPES:
         w = torch.randn(N, K, device="cuda")

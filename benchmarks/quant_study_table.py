@@ -70,6 +70,10 @@ def main() -> None:
     sources = [str(runs_file)]
     if args.replace_into:
         old = json.loads(Path(args.replace_into).read_text())
+        if old.get("threshold") != args.threshold:
+            raise SystemExit(f"--replace-into {args.replace_into} was made with --threshold "
+                             f"{old.get('threshold')}; pass the same --threshold so that "
+                             "steps_to_threshold means the same for every run")
         kept = pd.DataFrame([r for r in old["runs"] if r["variant"] not in set(runs["variant"])])
         order = list(dict.fromkeys(r["variant"] for r in old["runs"]))
         order += [v for v in runs["variant"].unique() if v not in order]

@@ -226,20 +226,38 @@ def test_load_tuning_overrides_pick_config(tmp_path, monkeypatch) -> None:
     before = fk.pick_config(64, 3584, 3584)
     before_silu = fk.pick_config(64, 18944, 3584, silu=True)
     f = tmp_path / "tuning.json"
-    f.write_text('{"64,False": {"SWAP": true, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8, '
-                 '"num_stages": 3, "programs": 264}}')
+    f.write_text('{"64,false": {"SWAP": true, "BM": 64, "BN": 128, "BKW": 32, "num_warps": 8, '
+                 '"num_stages": 3, "programs": 56}}')
     fk.load_tuning(f)
     cfg = fk.pick_config(64, 3584, 3584)
     assert (cfg.BN, cfg.BKW, cfg.num_warps, cfg.num_stages) == (128, 32, 8, 3)
     assert (cfg.BN, cfg.BKW) != (before.BN, before.BKW)
-    # split-K aims at the table's program count: 28 tiles of 128 rows -> 4 splits (112 programs;
-    # 8 would leave fewer than two 32-word K tiles per split of the 448 words)
-    assert cfg.SPLIT_K == 4
+    # split-K aims at the table's program count: 28 tiles of 128 rows -> 2 splits for 56 programs
+    # (the default of 2 programs per SM would give 4)
+    assert cfg.SPLIT_K == 2
     assert fk.pick_config(64, 18944, 3584, silu=True) == before_silu  # entry not named: kept
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"sixty-four": {"BM": 64}}')
-    with pytest.raises(ValueError, match="sixty-four"):
-        fk.load_tuning(bad)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"sixty-four,False": {"BM": 64}}', "sixty-four"),
+    ('{"65,False": {"BM": 64}}', "65,False"),
+    ('{"64,yes": {"BM": 64}}', "64,yes"),
+    ('{"64,False": {"num_warp": 4}}', "num_warp"),
+    ('{"64,False": {"BKW": 0}}', "BKW=0"),
+    ('{"64,False": [64]}', "not an object"),
+    ('[{"BM": 64}]', "JSON object"),
+])
+def test_load_tuning_refuses_bad_tables_whole(tmp_path, monkeypatch, text, match) -> None:
+    """A bad tile table names the key or field and changes nothing (not even its good entries)."""
+    monkeypatch.setattr(fk, "CONFIG_TABLE", dict(fk.CONFIG_TABLE))
+    table = dict(fk.CONFIG_TABLE)
+    f = tmp_path / "bad.json"
+    if text.startswith("{"):
+        text = '{"16,True": {"BM": 16}, ' + text[1:]
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        fk.load_tuning(f)
+    assert fk.CONFIG_TABLE == table
 
 
 @gpu
@@ -253,9 +271,10 @@ def test_kernel_default_tiles_every_bucket(fmt, M) -> None:
     q2, _ = _case(fmt, M, N, K)
     args = (q1["weight_packed"], q1["weight_scale"], fmt, q1.get("weight_global_scale"))
     ref = fk.fp4_linear_reference(x, *args, out_dtype=torch.float32)
+    failed = len(fk._FAILED_CONFIGS)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    y = fk.fp4_linear_triton(x, *args, out=out)
-    assert not torch.isnan(y).any() and _rel(y, ref) < 8e-3, _rel(y, ref)
+    fk.fp4_linear_triton(x, *args, out=out)
+    assert not torch.isnan(out).any() and _rel(out, ref) < 8e-3, _rel(out, ref)
     xa = torch.randn(M, 2 * r, device="cuda").to(torch.bfloat16)
     lb = [(torch.randn(N, r, device="cuda") * 0.1).to(torch.bfloat16) for _ in range(2)]
     gu = {"packed": q2["weight_packed"], "scale": q2["weight_scale"],
@@ -264,3 +283,4 @@ def test_kernel_default_tiles_every_bucket(fmt, M) -> None:
     ref2 = fk.fp4_linear_reference(x, *args, **kw, out_dtype=torch.bfloat16)
     y2 = fk.fp4_linear_triton(x, *args, **kw)
     assert _rel(y2, ref2) < 2e-2, _rel(y2, ref2)
+    assert len(fk._FAILED_CONFIGS) == failed, "a built-in tile config failed to compile"

@@ -111,6 +111,8 @@ def test_eval_forward_leaves_training_gradients_intact(tiny_model_dir: Path, fmt
     so no gradient flowed through the frozen 4-bit layers and NF4/FP4 LoRA barely learned.
     """
     model = apply_lora(_load(tiny_model_dir, fmt), LoraSettings(r=4, alpha=8))
+    # the switch itself, so that this fails on CPUs without AVX512-BF16 too
+    assert not any(getattr(m, "support_avx512bf16_for_cpu", False) for m in model.modules())
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -629,11 +629,11 @@ def _num_sms(device: torch.device) -> int:
 
 #: tuned overrides, filled from the H200 micro-benchmark: (M-bucket, silu) -> config fields.
 CONFIG_TABLE: dict[tuple[int, bool], dict] = {
-    # H200 sweep (benchmarks/fp4_matmul.py --sweep --tuning-out, 2026-11-30 10:40 UTC, the 7B
+    # H200 sweep (benchmarks/fp4_matmul.py --sweep --tuning-out, 2026-11-30 10:34 UTC, the 7B
     # shapes; benchmarks/results/fp4_tuning_h200.json). Two stages and 16-word K tiles halve the
     # shared memory of the old 3-stage / 32-word tiles (one 8-warp block per SM, 12.5% occupancy
     # in Nsight Compute) and more programs fill the 132 SMs: M=1 and 16 +40%, M=64 +11%;
-    # M=32 from a second sweep (10:47 UTC) took the 32B B=32 rollout from 1141 to 1327 tok/s.
+    # M=32 from a second sweep (10:39 UTC) took the 32B B=32 rollout from 1141 to 1327 tok/s.
     (16, False): {"SWAP": True, "BM": 16, "BN": 64, "BKW": 16, "num_warps": 4, "num_stages": 2,
                   "programs": 528},
     (16, True): {"SWAP": True, "BM": 16, "BN": 64, "BKW": 32, "num_warps": 4, "num_stages": 2,
@@ -655,29 +655,58 @@ CONFIG_TABLE: dict[tuple[int, bool], dict] = {
 
 
 _TUNABLE = ("SWAP", "BM", "BN", "BKW", "num_warps", "num_stages", "programs", "SPLIT_K")
+_M_BUCKETS = (16, 32, 64, 128, 256)
+
+
+def _parse_tuning(data: object, where: str) -> dict[tuple[int, bool], dict]:
+    """Validate a tile table (see :func:`load_tuning`) into ``CONFIG_TABLE`` entries."""
+    fix = (f"keys look like '64,False' (M bucket in {_M_BUCKETS}, then True/False for fused "
+           f"gate/up), values are objects with some of {_TUNABLE}; benchmarks/fp4_matmul.py "
+           "--tuning-out writes such a file")
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a tile table must be a JSON object; {fix}")
+    out: dict[tuple[int, bool], dict] = {}
+    for key, cfg in data.items():
+        parts = [p.strip() for p in str(key).split(",")]
+        if len(parts) != 2 or not parts[0].isdigit() or int(parts[0]) not in _M_BUCKETS \
+                or parts[1].lower() not in ("true", "false"):
+            raise ValueError(f"{where}: bad tile-table key {key!r}; {fix}")
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{where}: tile-table entry {key!r} is not an object; {fix}")
+        unknown = sorted(set(cfg) - set(_TUNABLE))
+        if unknown:
+            raise ValueError(f"{where}: tile-table entry {key!r} has unknown fields {unknown}; {fix}")
+        for k, v in cfg.items():
+            ok = isinstance(v, bool) if k == "SWAP" else (
+                isinstance(v, int) and not isinstance(v, bool) and v > 0)
+            if not ok:
+                raise ValueError(f"{where}: tile-table entry {key!r}: {k}={v!r} must be "
+                                 + ("true or false" if k == "SWAP" else "a positive integer"))
+        out[(int(parts[0]), parts[1].lower() == "true")] = dict(cfg)
+    return out
 
 
 def load_tuning(path: str | os.PathLike) -> dict:
     """Merge a tile table written by ``benchmarks/fp4_matmul.py --tuning-out`` into
     :data:`CONFIG_TABLE` (keys ``"<M-bucket>,<silu>"``, e.g. ``"64,False"``); returns what was read.
 
-    Also read at import from the file named by ``QERL_FP4_TUNING``.
+    The whole file is validated before anything is merged. Also read at import from the file
+    named by ``QERL_FP4_TUNING`` (a file that cannot be used there gives a warning, not an error).
     """
     with open(path) as f:
         data = json.load(f)
-    for key, cfg in data.items():
-        try:
-            m, silu = key.split(",")
-            entry = {k: cfg[k] for k in _TUNABLE if k in cfg}
-            CONFIG_TABLE[(int(m), silu.strip() == "True")] = entry
-        except (ValueError, AttributeError, TypeError) as e:
-            raise ValueError(f"{path}: tuning key {key!r} must look like '64,False' with a dict of "
-                             f"{_TUNABLE} as value") from e
+    CONFIG_TABLE.update(_parse_tuning(data, str(path)))
     return data
 
 
 if os.environ.get("QERL_FP4_TUNING"):
-    load_tuning(os.environ["QERL_FP4_TUNING"])
+    try:
+        load_tuning(os.environ["QERL_FP4_TUNING"])
+    except (OSError, ValueError) as _e:
+        import warnings as _warnings
+
+        _warnings.warn(f"QERL_FP4_TUNING ignored, the built-in tile table is used: {_e}",
+                       stacklevel=2)
 
 
 def _m_bucket(M: int) -> int:
