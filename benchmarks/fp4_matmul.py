@@ -284,11 +284,7 @@ def main() -> None:
                         if name not in SWEEP_SHAPES:
                             continue
                         ss = sets[name]
-                        tiles = -(-M // BM) * -(-N // BN)
-                        split = 1
-                        while (tiles * split < per_sm * sms
-                               and split * 2 <= max(1, (K // 8) // (BKW * 2))):
-                            split *= 2
+                        split = fk.split_k_for(-(-M // BM) * -(-N // BN), K, BKW, per_sm * sms)
                         cfg = fk.Fp4Config(BM=BM, BN=BN, BKW=BKW, SPLIT_K=split, num_warps=nw,
                                            num_stages=stages, SWAP=SW)
                         xin = xd if K == 18944 else x

@@ -28,12 +28,14 @@ PARAMS="$PARAMS,qerl.report.max_new_tokens=64,qerl.report.probe_size=16,data.eva
 PARAMS="$PARAMS,${QERL_SMOKE_EXTRA:-qerl.rl.entropy_coef=0.01}"
 ENGINE=${QERL_SMOKE_ENGINE:-auto}
 TIMER=""; [ -x /usr/bin/time ] && TIMER="/usr/bin/time -v"
-if ! $TIMER python3 -m kedro run -e gpu_paper --pipeline=qerl_train \
-    --params "$PARAMS,qerl.rollout.engine=$ENGINE" 2>&1 | tee "$OUT/run.log"; then
+train() {  # train <engine>: the preset run, log in $OUT/run.log
+  $TIMER python3 -m kedro run -e gpu_paper --pipeline=qerl_train \
+    --params "$PARAMS,qerl.rollout.engine=$1" 2>&1 | tee "$OUT/run.log"
+}
+if ! train "$ENGINE"; then
   # keep the failing log, then show the loop on CUDA with the transformers-generate engine
   mv "$OUT/run.log" "$OUT/run_${ENGINE}_failed.log"; ENGINE=hf
-  $TIMER python3 -m kedro run -e gpu_paper --pipeline=qerl_train \
-    --params "$PARAMS,qerl.rollout.engine=hf" 2>&1 | tee "$OUT/run.log"
+  train hf
 fi
 echo "rollout engine: $ENGINE" | tee -a "$OUT/gpu.txt"
 python3 - "$OUT" <<'PY'

@@ -135,14 +135,14 @@ def test_collate_masks_prompt(tok):
         assert att[i].sum() == n_p + n_c
 
 
+def _small_spec() -> TinyModelSpec:
+    """The one-layer, hidden-64 model the SFT tests train (seconds on a CPU)."""
+    return TinyModelSpec(hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                         intermediate_size=128, num_hidden_layers=1)
+
+
 def _tiny_sft(tok, seed):
-    spec = TinyModelSpec(
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=1,
-    )
+    spec = _small_spec()
     model = build_model(spec, tok, seed=seed)
     prompts = [t.split("\n")[0] + "\n" for t in TEXTS]
     comps = [t.split("\n", 1)[1] for t in TEXTS]
@@ -181,13 +181,7 @@ def test_extract_answer():
 
 def test_embedded_task_splits_and_warm_start():
     task = EmbeddedTask()
-    small = TinyModelSpec(
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=1,
-    )
+    small = _small_spec()
     ws = embedded_warm_start(
         task,
         small,
@@ -227,13 +221,7 @@ def test_embedded_task_splits_and_warm_start():
 
 
 def test_sft_early_stop(tok):
-    spec = TinyModelSpec(
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=1,
-    )
+    spec = _small_spec()
     model = build_model(spec, tok, seed=0)
     prompts = [t.split("\n")[0] + "\n" for t in TEXTS]
     comps = [t.split("\n", 1)[1] for t in TEXTS]

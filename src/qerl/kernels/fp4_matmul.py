@@ -734,15 +734,21 @@ def pick_config(M: int, N: int, K: int, silu: bool = False, device=None) -> Fp4C
     KW = K // 8
     tiles = triton_cdiv(M, BM) * triton_cdiv(N, BN)
     sms = _num_sms(device) if device is not None and device.type == "cuda" else 132
-    want = base.get("programs", 2 * sms)
-    split = 1
-    max_split = max(1, KW // (BKW * 2))
-    while tiles * split < want and split * 2 <= max_split:
-        split *= 2
+    split = split_k_for(tiles, K, BKW, base.get("programs", 2 * sms))
     if "SPLIT_K" in base:
-        split = min(base["SPLIT_K"], max_split)
+        split = min(base["SPLIT_K"], max(1, KW // (BKW * 2)))
     return Fp4Config(BM=BM, BN=BN, BKW=BKW, SPLIT_K=split, num_warps=num_warps,
                      num_stages=num_stages, SWAP=swap)
+
+
+def split_k_for(tiles: int, K: int, BKW: int, programs: int) -> int:
+    """Split-K factor (a power of two) that brings ``tiles`` output tiles up to about
+    ``programs`` programs, keeping at least two ``BKW``-word K tiles in every split."""
+    max_split = max(1, (K // 8) // (BKW * 2))
+    split = 1
+    while tiles * split < programs and split * 2 <= max_split:
+        split *= 2
+    return split
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -829,9 +835,7 @@ def fp4_linear_triton(
     key = (cfg, silu, fc, x_permuted, out_permuted, has_lora, bias is not None)
     if key in _FAILED_CONFIGS:  # use the fallback tiles, keeping split-K for parallelism
         tiles = triton_cdiv(M, SAFE_CONFIG.BM) * triton_cdiv(N, SAFE_CONFIG.BN)
-        split = 1
-        while tiles * split < 264 and split * 2 <= max(1, KW // (SAFE_CONFIG.BKW * 2)):
-            split *= 2
+        split = split_k_for(tiles, K, SAFE_CONFIG.BKW, 264)
         if (cfg, "safe-split") in _FAILED_CONFIGS:
             split = 1
         cfg = dataclasses.replace(SAFE_CONFIG, SPLIT_K=split)
@@ -960,5 +964,5 @@ __all__ = [
     "USE_ASM_DEFAULT", "e2m1_table", "unpack_e2m1", "unpack_e2m1_codes", "pack_e2m1",
     "decode_scale", "dequantize_fp4", "quantize_fp4", "permute_activation", "unpermute_activation",
     "fp4_linear_reference", "fp4_linear_triton", "fp4_dequantize_triton", "fp4_linear",
-    "pick_config", "load_tuning", "reserve_workspace", "fp4_self_check",
+    "pick_config", "split_k_for", "load_tuning", "reserve_workspace", "fp4_self_check",
 ]
