@@ -55,6 +55,8 @@ __all__ = [
     "E2M1_MAX",
     "E4M3_MAX",
     "FORMATS",
+    "FP4_FORMATS",
+    "QUANT_FORMATS",
     "Fp4Format",
     "dequantize_mxfp4",
     "dequantize_nvfp4",
@@ -67,6 +69,13 @@ __all__ = [
     "quantize_nvfp4",
     "unpack_fp4",
 ]
+
+QUANT_FORMATS: tuple[str, ...] = ("none", "nf4", "fp4", "nvfp4", "mxfp4")
+"""Every ``quant.format`` value: ``none`` (the bf16/fp32 LoRA baseline), bitsandbytes ``nf4`` / ``fp4``,
+and our own ``nvfp4`` / ``mxfp4``. The one list of formats; everything else imports it."""
+
+FP4_FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
+"""The formats this module implements (stored in the compressed-tensors layout)."""
 
 E2M1_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0

@@ -2,7 +2,7 @@
 
 Reads top to bottom in the order a trainer uses it:
 
-1. ``token_logprobs_and_entropy`` -- per-token log-probs (and entropies) of the sampled tokens under
+1. ``token_logprobs_and_entropy`` (:mod:`qerl.rl.logprobs`) -- per-token log-probs (and entropies) of the sampled tokens under
    the current policy, ``log_softmax(logits / temperature)[token]`` (the rollout convention of
    ``qerl.rollout.base``, so rollout and trainer log-probs are comparable).
 2. ``group_advantages`` -- GRPO's group-normalised advantage (eq. "A_i = (r_i - mean(r)) / std(r)"),
@@ -25,70 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from qerl.errors import QerlConfigError
+from qerl.rl.logprobs import k3_kl, token_logprobs_and_entropy  # noqa: F401 (re-exported)
 
 LOSS_TYPES: tuple[str, ...] = ("grpo", "dapo", "dr_grpo", "pg_entropy")
 """Supported ``rl.loss_type`` values (see ``ObjectiveConfig``)."""
-
-
-# --------------------------------------------------------------------------------------------------
-# 1. Log-probs and entropy of the sampled tokens
-# --------------------------------------------------------------------------------------------------
-
-
-def token_logprobs_and_entropy(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int | None = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each sampled token and the entropy of each next-token distribution.
-
-    ``logp[n, t] = log_softmax(logits[n, t] / temperature)[tokens[n, t]]`` and
-    ``entropy[n, t] = -sum_v p_v log p_v`` of the same tempered distribution.
-
-    The logits are processed ``chunk_size`` positions at a time and upcast to float32 per chunk, so
-    no full ``[N, T, V]`` float32 copy (nor a second one for the probabilities) is ever
-    materialised. Under ``torch.no_grad`` (old / reference log-probs) this bounds the peak extra
-    memory to ``O(chunk_size * V)``; with autograd enabled each chunk still saves its softmax for the
-    backward pass, so chunking then only bounds the transient peak.
-
-    Args:
-        logits: [N, T, V] logits aligned with ``tokens`` (``logits[:, t]`` predicts ``tokens[:, t]``).
-        tokens: [N, T] sampled token ids (padding positions may hold any valid id).
-        temperature: sampling temperature, > 0.
-        chunk_size: positions per chunk; ``None`` processes everything at once.
-
-    Returns:
-        ``(logp, entropy)``, both [N, T] float32.
-    """
-    if logits.dim() != 3:
-        raise QerlConfigError("logits", f"expected [N, T, V], got shape {tuple(logits.shape)}",
-                              "pass the model's completion logits, one row per sequence")
-    if tokens.shape != logits.shape[:2]:
-        raise QerlConfigError("tokens", f"shape {tuple(tokens.shape)} does not match logits "
-                              f"{tuple(logits.shape[:2])}", "align tokens with logits[:, :, :]")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise QerlConfigError("rollout.temperature", f"must be a finite number > 0, got {temperature}",
-                              "use the temperature the rollouts were sampled with (e.g. 1.0)")
-    if chunk_size is not None and chunk_size < 1:
-        raise QerlConfigError("chunk_size", f"must be >= 1 or None, got {chunk_size}",
-                              "use e.g. 1024")
-
-    n, t, v = logits.shape
-    flat_logits = logits.reshape(n * t, v)
-    flat_tokens = tokens.reshape(n * t, 1).long()
-    step = n * t if chunk_size is None else chunk_size
-    logp_parts: list[torch.Tensor] = []
-    entropy_parts: list[torch.Tensor] = []
-    for start in range(0, n * t, max(step, 1)):
-        z = flat_logits[start:start + step].float() / temperature
-        logp_all = torch.log_softmax(z, dim=-1)
-        logp_parts.append(logp_all.gather(-1, flat_tokens[start:start + step]).squeeze(-1))
-        entropy_parts.append(-(logp_all.exp() * logp_all).sum(-1))
-    if not logp_parts:  # N * T == 0
-        empty = logits.new_zeros((n, t), dtype=torch.float32)
-        return empty, empty.clone()
-    return torch.cat(logp_parts).view(n, t), torch.cat(entropy_parts).view(n, t)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,12 +185,6 @@ def _check_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     if tuple(advantages.shape) != shape[:1]:
         raise QerlConfigError("advantages", f"expected [{shape[0]}], got {tuple(advantages.shape)}",
                               "pass one advantage per sequence")
-
-
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
-    delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1.0
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
