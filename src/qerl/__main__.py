@@ -1,22 +1,14 @@
-"""``python -m qerl`` / ``qerl`` runs the Kedro CLI of this project (same as ``kedro``)."""
+"""``qerl`` / ``python -m qerl``: the full Kedro CLI of this project (``qerl run``, ``qerl registry
+list``, ``qerl catalog ...``, ``qerl viz ...`` with the viz extra), run from the project directory."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-from typing import Any
 
-from kedro.framework.cli.utils import find_run_command
-from kedro.framework.project import configure_project
+def main() -> None:
+    """Entry point: exactly ``kedro`` (the project's own commands in ``qerl.cli`` included)."""
+    from kedro.framework.cli import main as kedro_main
 
-
-def main(*args: Any, **kwargs: Any) -> Any:
-    """Entry point of the packaged project."""
-    package_name = Path(__file__).parent.name
-    configure_project(package_name)
-    kwargs["standalone_mode"] = not hasattr(sys, "ps1")
-    run = find_run_command(package_name)
-    return run(*args, **kwargs)
+    kedro_main()
 
 
 if __name__ == "__main__":

@@ -1,31 +1,54 @@
-"""Project hooks: quiet, deterministic, offline runs."""
+"""Project hooks: every parameter validated before anything is built, leftovers of killed writes
+cleaned, and quiet, deterministic, offline runs."""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
 log = logging.getLogger(__name__)
 
+#: Loggers that flood the console at INFO (one line per node, dataset and weight file).
+QUIET = ("kedro.io.data_catalog", "kedro.runner", "kedro.pipeline.node", "kedro.framework.session.session",
+         "kedro.io.core", "kedro.runner.sequential_runner", "transformers", "accelerate", "huggingface_hub")
+
 
 class QerlHooks:
-    """Thread count from ``QERL_NUM_THREADS`` and silenced known-harmless warnings."""
+    """Parameter validation, crash recovery, thread count and known-harmless warnings."""
 
     @hook_impl
     def after_context_created(self, context: Any) -> None:
-        import torch
+        from qerl.atomic import recover
+        from qerl.params import validate_all
 
-        from qerl.pipelines import registry_params
-
-        registry_params.remember(context.config_loader)
-
+        validate_all(dict(context.config_loader["parameters"]))  # one clear line on the first bad value
+        recover(Path(context.project_path) / "data")
         threads = os.environ.get("QERL_NUM_THREADS")
         if threads:
+            import torch
+
             torch.set_num_threads(int(threads))
-        # bitsandbytes tries to fetch an optional CPU kernel from the hub; offline it warns. Harmless.
-        warnings.filterwarnings("ignore", message=".*kernels-community.*")
-        warnings.filterwarnings("ignore", message=".*register_new_resolver.*")
+        quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Silence progress bars and warnings known to be harmless; Kedro's per-node lines go to DEBUG."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # bitsandbytes tries to fetch an optional CPU kernel from the hub; offline it warns. Harmless.
+    for pattern in (".*kernels-community.*", ".*register_new_resolver.*", ".*--pipeline.*deprecated.*",
+                    ".*torch_dtype.*is deprecated.*", ".*gemv_4bit.*", ".*MatMul8bitLt.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass

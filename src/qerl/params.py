@@ -1,19 +1,39 @@
-"""Typed parameters. Kedro validates every ``params:`` block against these models before any node
-runs (a node argument annotated with a pydantic model is converted by the Kedro context), so a typo
-or a bad value fails fast with the field's name, before a model is loaded.
+"""The settings model: the one typed schema of every parameter block, in pydantic.
 
-The core library has its own small dataclasses (``ObjectiveConfig``, ``NoiseConfig``,
-``LoraSettings`` ...); the ``to_*`` methods below translate, so the core never depends on pydantic
-or Kedro.
+``conf/base/parameters_*.yml`` holds the same values as the defaults here (a test keeps them equal),
+Kedro validates each ``params:<block>`` against these models before any node runs, and the core
+(``qerl.train``, ``qerl.rl``, ``qerl.noise`` ...) takes these models (or their sub-models) directly:
+there is no second settings type and no translation layer. Usable without Kedro::
+
+    from qerl.params import TrainParams
+    settings = TrainParams(rl={"steps": 20, "lr": 5e-4})
+
+Errors name the field and the fix: :func:`validate_block` turns a pydantic ``ValidationError`` into
+one :class:`~qerl.errors.QerlConfigError` line (``qerl.rl.steps: ... Fix: ...``).
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-FORMATS = ("none", "nf4", "fp4", "nvfp4", "mxfp4")
+from qerl.errors import QerlConfigError
+from qerl.noise.schedules import SCHEDULES
+from qerl.quant.formats import QUANT_FORMATS
+from qerl.rl.objective import IS_MODES as ROLLOUT_IS_MODES
+from qerl.rl.objective import LOSS_TYPES
+
+FORMATS = QUANT_FORMATS  # the one list of formats (qerl.quant.formats)
+ALL_PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# Literal types built from the one list of each kind of value (a tuple subscript = several arguments).
+QuantFormat = Literal[QUANT_FORMATS]  # type: ignore[valid-type]
+Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
+LossType = Literal[LOSS_TYPES]  # type: ignore[valid-type]
+RolloutIS = Literal[ROLLOUT_IS_MODES]  # type: ignore[valid-type]
 
 
 class _Strict(BaseModel):
@@ -21,13 +41,16 @@ class _Strict(BaseModel):
 
 
 class DataParams(_Strict):
-    """Prompt sources and the split. Each source is validated by ``qerl.data.sources`` (its
-    ``kind``: reasoning_gym, file or hf), which names ``data.sources[i].<field>`` in errors."""
+    """Prompt sources and the split (``params:data``). Each source is validated by
+    ``qerl.data.sources`` (its ``kind``: reasoning_gym, file or hf), which names
+    ``data.sources[i].<field>`` in errors."""
 
-    sources: list[dict[str, Any]]
-    template: str = "plain"
-    system_prompt: str | None = None
-    eval_size: int | None = 100
+    sources: list[dict[str, Any]] = Field(default_factory=lambda: [
+        {"kind": "reasoning_gym", "name": "chain_sum", "size": 2000, "seed": 17,
+         "config": {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}}])
+    template: str = "{question}\n"
+    system_prompt: str | None = ""
+    eval_size: int | None = 200
     eval_fraction: float | None = None
     seed: int = 0
     max_prompts: int | None = None
@@ -59,43 +82,60 @@ class TinyModelParams(_Strict):
 
 
 class ModelParams(_Strict):
+    """The base model: a local Hugging Face causal-LM directory."""
+
     path: str = "data/06_models/embedded_model"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 class QuantParams(_Strict):
-    format: str = "nvfp4"
+    """The frozen base's format. ``backend`` picks the CUDA FP4 matmul (``auto``: the fastest
+    available; see ``qerl.kernels``)."""
+
+    format: QuantFormat = "nvfp4"
+    backend: Literal["auto", "humming", "triton", "torch"] = "auto"
     bnb_double_quant: bool = True
     on_indivisible: Literal["skip", "error"] = "skip"
-    skip_modules: list[str] = Field(default_factory=lambda: ["lm_head"])
-
-    @field_validator("format")
-    @classmethod
-    def _known_format(cls, v: str) -> str:
-        if v not in FORMATS:
-            raise ValueError(f"unknown quant.format {v!r}; use one of {', '.join(FORMATS)}")
-        return v
+    skip_modules: tuple[str, ...] = ("lm_head",)
 
 
 class LoraParams(_Strict):
-    preset: Literal["default", "paper"] | None = None
-    r: int = 16
-    alpha: float = 32
-    dropout: float = 0.0
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    """LoRA through peft. ``preset: paper`` is the QeRL paper's r=32, alpha=64 on all seven
+    projections (it overrides r, alpha, dropout and target_modules)."""
+
+    preset: Literal["paper"] | None = None
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = Field(ALL_PROJECTIONS, min_length=1)
+    bias: Literal["none", "all", "lora_only"] = "none"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("preset") == "default":
+                data["preset"] = None
+            if data.get("preset") == "paper":
+                data.update(r=32, alpha=64, dropout=0.0, target_modules=ALL_PROJECTIONS)
+        return data
 
 
 class RolloutParams(_Strict):
+    """Sampling of the G completions per prompt (``engine: auto`` = the fast engine on CUDA, the
+    transformers one on CPU). ``kv_budget_gib``: run the batch in waves when its KV cache would
+    exceed this (fast engine; ``null`` = whatever fits)."""
+
     engine: Literal["auto", "hf", "fast"] = "auto"
     group_size: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(32, ge=1)
-    max_prompt_tokens: int = Field(256, ge=1)
+    max_prompt_tokens: int = Field(64, ge=1)
     overlong_prompt: Literal["truncate", "drop"] = "truncate"
+    kv_budget_gib: float | None = Field(None, gt=0)
 
 
 class RewardFnParams(_Strict):
@@ -105,58 +145,110 @@ class RewardFnParams(_Strict):
 
 
 class RewardParams(_Strict):
-    functions: list[RewardFnParams]
+    functions: tuple[RewardFnParams, ...] = (
+        RewardFnParams(name="reasoning_gym", weight=2.0),
+        RewardFnParams(name="format", weight=1.0, kwargs={"reward": 0.2}),
+    )
     on_error: Literal["raise", "zero"] = "raise"
+
+    def specs(self) -> list[dict[str, Any]]:
+        """The reward functions as plain dicts (what ``qerl.rewards.build_rewards`` takes)."""
+        return [f.model_dump() for f in self.functions]
 
 
 class RLParams(_Strict):
-    run_name: str = "embedded"
-    steps: int = Field(60, ge=1)
+    """The RL update. The loss terms are named as in the papers (see ``qerl.rl.objective``).
+
+    ``minibatches``: optimizer steps per generation batch (TRL's steps_per_generation);
+    ``micro_batch_tokens``: gradient accumulation inside each (``null``: one pass; ``auto``: sized
+    from the free accelerator memory); the accumulated gradient equals one pass over the union.
+    ``old_logprobs``: the PPO ratio's denominator, the rollout engine's log-probs (``rollout``) or a
+    no-grad trainer forward on the clean policy (``recompute``); ``rollout_is`` corrects the
+    rollout/trainer mismatch with a truncated (or masked) importance weight capped at
+    ``rollout_is_cap`` (TRL's modes).
+    """
+
+    run_name: str = Field("embedded", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(16, ge=1)
-    loss_type: str = "dapo"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    beta: float = 0.0
+    loss_type: LossType = "dapo"
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    eps_high: float = Field(0.28, ge=0)
+    beta: float = Field(0.0, ge=0)
     track_kl: bool = True
     scale_by_std: bool = True
     dynamic_sampling: bool = False
     epochs: int = Field(1, ge=1)
     minibatches: int = Field(1, ge=1)
-    entropy_coef: float = 0.0
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = 0.0
-    warmup_ratio: float = Field(0.1, ge=0, lt=1)
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    max_grad_norm: float = Field(0.2, gt=0)
+    micro_batch_tokens: int | Literal["auto"] | None = None
+    old_logprobs: Literal["rollout", "recompute"] = "recompute"
+    rollout_is: RolloutIS = "token_truncate"
+    rollout_is_cap: float = Field(3.0, gt=1)
+    entropy_coef: float = Field(0.0, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    lr_schedule: Literal["cosine", "constant"] = "constant"
+    max_grad_norm: float = Field(1.0, gt=0)
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     gradient_checkpointing: bool = False
+    logprob_chunk_tokens: int = Field(1024, ge=1)
     max_bad_steps: int = Field(3, ge=1)
     save_every: int = Field(10, ge=1)
+    adapter_every: int = Field(1, ge=1)
     resume: Literal["auto", "never"] = "auto"
     seed: int = 0
 
+    @field_validator("micro_batch_tokens")
+    @classmethod
+    def _positive_tokens(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1, 'auto' or null")
+        return v
+
+
+class ControllerParams(_Strict):
+    """The entropy-feedback controller (``noise.schedule: entropy_feedback``): sigma is multiplied by
+    ``up`` while the moving average of the rollout entropy keeps improving, by ``down`` otherwise."""
+
+    sigma_min: float = Field(1e-4, gt=0)
+    sigma_max: float = Field(2e-2, gt=0)
+    up: float = Field(1.2, gt=1)
+    down: float = Field(0.9, gt=0, lt=1)
+    window: int = Field(10, ge=1)
+    tolerance: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ControllerParams:
+        if self.sigma_max < self.sigma_min:
+            raise ValueError(f"sigma_max {self.sigma_max} is below sigma_min {self.sigma_min}")
+        return self
+
 
 class NoiseParams(_Strict):
+    """AQN on the rollout policy's RMSNorm weights (see ``qerl.noise.schedules``)."""
+
     enabled: bool = True
-    schedule: str = "exponential"
-    sigma_start: float = 1e-2
-    sigma_end: float = 5e-4
-    stages: int = 10
-    controller: dict[str, Any] = Field(default_factory=dict)
+    schedule: Schedule = "exponential"
+    sigma_start: float = Field(1e-2, ge=0)
+    sigma_end: float = Field(5e-4, ge=0)
+    stages: int = Field(10, ge=2)
+    controller: ControllerParams = ControllerParams()
+
+    @model_validator(mode="after")
+    def _geometric(self) -> NoiseParams:
+        if self.schedule == "exponential" and self.sigma_start != self.sigma_end and min(self.sigma_start, self.sigma_end) <= 0:
+            raise ValueError("sigma_start and sigma_end must be > 0 for the exponential schedule "
+                             "(use a small value such as 1e-4, or schedule 'linear')")
+        return self
 
 
 class ReportParams(_Strict):
-    probe_size: int = 16
-    formats: list[str] = Field(default_factory=lambda: ["nvfp4"])
-    max_new_tokens: int = 32
+    """The noise report: KL(full precision || quantized) and entropies on a fixed probe set."""
 
-    @field_validator("formats")
-    @classmethod
-    def _known_formats(cls, v: list[str]) -> list[str]:
-        bad = [f for f in v if f not in FORMATS]
-        if bad:
-            raise ValueError(f"unknown report.formats {bad}; use a subset of {', '.join(FORMATS)}")
-        return v
+    probe_size: int = Field(32, ge=1)
+    formats: tuple[QuantFormat, ...] = FORMATS
+    max_new_tokens: int = Field(32, ge=1)
 
 
 class EvalParams(_Strict):
@@ -166,7 +258,7 @@ class EvalParams(_Strict):
     k: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(32, ge=1)
-    max_prompts: int | None = None
+    max_prompts: int | None = Field(None, ge=1)
     correctness: dict[str, Any] = Field(default_factory=lambda: {"name": "reasoning_gym"})
     threshold: float = 1.0
     seed: int = 1234
@@ -179,7 +271,7 @@ class TrainParams(_Strict):
     quant: QuantParams = QuantParams()
     lora: LoraParams = LoraParams()
     rollout: RolloutParams = RolloutParams()
-    rewards: RewardParams
+    rewards: RewardParams = RewardParams()
     rl: RLParams = RLParams()
     noise: NoiseParams = NoiseParams()
     report: ReportParams = ReportParams()
@@ -194,7 +286,126 @@ class TrainParams(_Strict):
             )
         n = self.rl.prompts_per_step * self.rollout.group_size
         if n % self.rl.minibatches:
-            raise ValueError(
-                f"rl.minibatches={self.rl.minibatches} must divide prompts_per_step*group_size={n}"
-            )
+            raise ValueError(f"rl.minibatches={self.rl.minibatches} must divide prompts_per_step*group_size={n}")
         return self
+
+    def with_updates(self, **blocks: dict[str, Any]) -> TrainParams:
+        """A validated copy with some fields of some blocks changed, e.g.
+        ``p.with_updates(rl={"seed": 1}, quant={"format": "mxfp4"})``."""
+        raw = self.model_dump()
+        for block, fields in blocks.items():
+            raw[block].update(fields)
+        return TrainParams(**raw)
+
+
+class VariantParams(_Strict):
+    """One arm of the quantization study: a format, a noise schedule, a learning-rate multiplier,
+    and optionally static Gaussian weight noise matched to a 4-bit format's error."""
+
+    name: str
+    format: QuantFormat = "nvfp4"
+    noise: Schedule = "none"
+    lr_scale: float = Field(1.0, gt=0)
+    param_noise: Literal["nvfp4", "mxfp4"] | None = None
+    rl: dict[str, Any] = Field(default_factory=dict)  # any other rl.* overrides of this arm
+
+
+class StudyParams(_Strict):
+    """The quantization study (``params:quant_study``): every variant x seed, same task and budget."""
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    steps: int = Field(40, ge=1)
+    reward_threshold: float = 1.0
+    probe_size: int = Field(16, ge=1)
+    eval_max_prompts: int | None = 100
+    eval_k: int = Field(4, ge=1)
+    variants: tuple[VariantParams, ...] = ()
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> StudyParams:
+        names = [v.name for v in self.variants]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"variant names must be unique, repeated: {dup}")
+        return self
+
+
+class ReplayParams(_Strict):
+    """Single-node reruns (``kedro run --nodes=rl_loop.generate_rollouts``): which step of the
+    configured run to replay (``null``: its last step)."""
+
+    step: int | None = Field(None, ge=1)
+
+
+BLOCKS: dict[str, type[BaseModel]] = {
+    "data": DataParams,
+    "embedded_model": TinyModelParams,
+    "qerl": TrainParams,
+    "quant_study": StudyParams,
+    "replay": ReplayParams,
+}
+"""Every top-level parameter key the project knows, and its model."""
+
+
+def validate_block(name: str, raw: Any) -> BaseModel:
+    """Validate one top-level block; raise a one-line ``QerlConfigError`` naming the field."""
+    if name not in BLOCKS:
+        close = difflib.get_close_matches(name, BLOCKS, n=2)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise QerlConfigError(name, "is not a parameter block of this project",
+                              f"{hint}the blocks are {', '.join(BLOCKS)}")
+    model = BLOCKS[name]
+    if isinstance(raw, model):
+        return raw
+    try:
+        return model.model_validate(raw if raw is not None else {})
+    except ValidationError as err:
+        raise config_error(name, err) from None
+
+
+def train_params(raw: Any) -> TrainParams:
+    """The ``qerl`` block as :class:`TrainParams` (a node that needs the whole block takes it as a
+    mapping, whose sub-blocks Kedro has already validated, and calls this)."""
+    return validate_block("qerl", raw)  # type: ignore[return-value]
+
+
+def validate_all(params: dict[str, Any]) -> dict[str, BaseModel]:
+    """Validate every top-level block of a parameters mapping (unknown keys refused)."""
+    return {name: validate_block(name, raw) for name, raw in params.items()}
+
+
+def config_error(prefix: str, err: ValidationError) -> QerlConfigError:
+    """The first error of a pydantic ``ValidationError`` as one ``QerlConfigError`` line."""
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in (prefix, *e.get("loc", ())) if p != "__root__")
+    kind = e.get("type", "")
+    if kind == "extra_forbidden":
+        parent, _, key = loc.rpartition(".")
+        known = _known_fields(prefix, e.get("loc", ())[:-1])
+        close = difflib.get_close_matches(key, known, n=2)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        return QerlConfigError(loc, "is not a known setting",
+                               f"{hint}{parent or prefix} accepts {', '.join(known)}")
+    got = e.get("input")
+    msg = e.get("msg", "invalid value").removeprefix("Value error, ")
+    problem = msg if kind.startswith("value_error") or isinstance(got, dict) else f"{msg}, got {got!r}"
+    return QerlConfigError(loc, problem, f"change {loc} in conf/ or --params "
+                           f"(documented in conf/base/parameters_*.yml)")
+
+
+def _known_fields(prefix: str, loc: tuple[Any, ...]) -> list[str]:
+    model: Any = BLOCKS.get(prefix)
+    for part in loc:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return sorted(model.model_fields) if model is not None else []
+
+
+__all__ = [
+    "BLOCKS", "DataParams", "EvalParams", "LoraParams", "ModelParams", "NoiseParams", "QuantParams", "RLParams",
+    "ReplayParams", "ReportParams", "RewardParams", "RolloutParams", "StudyParams", "TaskParams", "TinyModelParams",
+    "TrainParams", "VariantParams", "config_error", "train_params", "validate_all", "validate_block",
+]

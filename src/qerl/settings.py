@@ -13,8 +13,12 @@ import warnings  # noqa: E402
 warnings.filterwarnings("ignore", message=".*register_new_resolver.*")
 
 from qerl.hooks import QerlHooks  # noqa: E402
+from qerl.runner import QerlSession  # noqa: E402
 
 HOOKS = (QerlHooks(),)
+
+# `kedro run` uses qerl.runner.LoopRunner (it repeats the rl_loop namespace of qerl_train).
+SESSION_CLASS = QerlSession
 
 # "soft": an env (local, gpu_paper, ...) overrides single nested keys instead of whole blocks.
 CONFIG_LOADER_ARGS = {

@@ -34,12 +34,13 @@ def make_policy(tiny_model_dir: Path) -> Callable[..., object]:
     ``lora_seed`` randomises the adapter; ``eos`` (token ids) replaces the model config's EOS ids, so
     that a random tiny model ends some completions early (it almost never samples the real EOS).
     """
-    from qerl.train.policy import PolicySpec, build_policy
+    from qerl.params import LoraParams, ModelParams, QuantParams
+    from qerl.train.policy import build_policy
 
     def make(fmt: str = "nvfp4", lora_seed: int | None = None, eos: tuple[int, ...] | None = None,
-             **spec_kwargs: object):
-        spec = PolicySpec(model_path=str(tiny_model_dir), format=fmt, device="cpu", lora=dict(LORA), **spec_kwargs)
-        policy, report = build_policy(spec)
+             gradient_checkpointing: bool = False):
+        policy, report = build_policy(ModelParams(path=str(tiny_model_dir), device="cpu"), QuantParams(format=fmt),
+                                      LoraParams(**LORA), gradient_checkpointing=gradient_checkpointing)
         assert report, "build_policy returned an empty quantization report"
         if lora_seed is not None:
             randomize_lora(policy, lora_seed)

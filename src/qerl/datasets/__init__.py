@@ -1,8 +1,13 @@
-"""Custom Kedro datasets: the live policy, the training state hand-off and skippable step tables."""
+"""Custom Kedro datasets: the live policy, the checkpoint root and training-state hand-off, per-step
+tables, atomic versioned tables and plots, and HF model directories."""
 
+from qerl.datasets.checkpoints import CheckpointStoreDataset, ReplayHandle, TrainStateDataset
 from qerl.datasets.hf_model import HFModelDataset
 from qerl.datasets.policy import PolicyDataset
-from qerl.datasets.step_table import SKIPPED, StepTableDataset, is_skipped
-from qerl.datasets.train_state import TrainStateDataset
+from qerl.datasets.step_tables import StepTablesDataset
+from qerl.datasets.tables import CSVTable, FiguresDataset, ParquetTable
 
-__all__ = ["SKIPPED", "HFModelDataset", "PolicyDataset", "StepTableDataset", "TrainStateDataset", "is_skipped"]
+__all__ = [
+    "CSVTable", "CheckpointStoreDataset", "FiguresDataset", "HFModelDataset", "ParquetTable", "PolicyDataset",
+    "ReplayHandle", "StepTablesDataset", "TrainStateDataset",
+]

@@ -35,7 +35,7 @@ class PolicyDataset(AbstractDataset[Any, Any]):
         except QerlConfigError as err:
             raise DatasetError(
                 f"no policy at {self._path}: it is written by the setup_quantized_policy node of "
-                "`kedro run --pipeline=qerl_train`; run that first"
+                "`kedro run --pipelines=qerl_train`; run that first"
             ) from err
         return self._policy
 
@@ -50,7 +50,9 @@ class PolicyDataset(AbstractDataset[Any, Any]):
         self._policy = None
 
     def _exists(self) -> bool:
-        return self._policy is not None or (Path(self._path) / "spec.json").exists()
+        from qerl.train.policy import SPEC_FILE
+
+        return self._policy is not None or (Path(self._path) / SPEC_FILE).exists()
 
     def _describe(self) -> dict[str, Any]:
         return {"path": str(self._path), "persist": self._persist, "resident": self._policy is not None}

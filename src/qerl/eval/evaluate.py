@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -17,7 +17,10 @@ import torch
 from qerl.rewards.base import build_reward, score_completions
 from qerl.rollout.base import RolloutEngine, SamplingParams
 from qerl.train.policy import Policy
-from qerl.train.steps import decode_completions, encode_prompts
+
+if TYPE_CHECKING:
+    from qerl.params import EvalParams, RolloutParams
+from qerl.train.generate import decode_completions, encode_prompts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -88,3 +91,18 @@ def evaluate_policy(
 def _decode(policy: Policy, batch: Any) -> list[str]:
     lengths = batch.completion_lengths.tolist()
     return decode_completions(policy, [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths, strict=True)])
+
+
+def evaluation_table(policy: Policy, prompts: pd.DataFrame, ev: EvalParams, rollout: RolloutParams, *,
+                     stage: str, step: int) -> pd.DataFrame:
+    """One evaluation row (``stage``: before / after): greedy pass@1, pass@k, sampled pass@1 on
+    ``eval.max_prompts`` held-out prompts, with the policy's adapter applied."""
+    from qerl.rollout import get_engine
+
+    chosen = prompts if ev.max_prompts is None else prompts.head(ev.max_prompts)
+    summary, _ = evaluate_policy(
+        policy, chosen, get_engine(rollout.engine, policy.device), k=ev.k, temperature=ev.temperature,
+        max_new_tokens=ev.max_new_tokens, max_prompt_tokens=rollout.max_prompt_tokens, reward=dict(ev.correctness),
+        threshold=ev.threshold, seed=ev.seed,
+    )
+    return pd.DataFrame([{"stage": stage, "step": step, "format": policy.format, **summary}])

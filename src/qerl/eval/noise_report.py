@@ -58,19 +58,20 @@ def noise_report(
     seed: int = 0,
 ) -> pd.DataFrame:
     """One row per (format, variant): kl, entropy_quant, entropy_full, entropy_gain."""
-    spec = policy.spec
+    path, quant = policy.model_settings.path, policy.quant
     pad, eos = policy.pad_token_id, policy.eos_token_ids
-    fp_model, tok, _ = load_policy_base(spec.model_path, "none", device=policy.device, compute_dtype=torch.float32)
+    fp_model, tok, _ = load_policy_base(path, "none", device=policy.device, compute_dtype=torch.float32)
     seqs, n_prompt = build_probe(fp_model, tok, prompts, max_new_tokens, eos, pad)
     full, mask = probe_logits(fp_model, seqs, n_prompt, pad)
     del fp_model
     _free()
     rows = []
-    for fmt in dict.fromkeys([spec.format, *formats]):
-        if fmt == spec.format:
+    for fmt in dict.fromkeys([quant.format, *formats]):
+        if fmt == quant.format:
             model, owner = policy.model, None
         else:
-            owner, _, _ = load_policy_base(spec.model_path, fmt, device=policy.device, compute_dtype=policy.dtype, skip_modules=spec.skip_modules, on_indivisible=spec.on_indivisible)
+            owner, _, _ = load_policy_base(path, fmt, device=policy.device, compute_dtype=policy.dtype,
+                                           skip_modules=quant.skip_modules, on_indivisible=quant.on_indivisible)
             model = owner
         rows += _format_rows(model, fmt, full, mask, seqs, n_prompt, pad, sigma, seed, trained=owner is None)
         del model, owner

@@ -12,100 +12,25 @@ trainer's forward would make trainer log-probs differ from rollout log-probs for
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from qerl.errors import QerlConfigError
 
-__all__ = [
-    "ALL_PROJECTIONS",
-    "LoraSettings",
-    "apply_lora",
-    "check_lora_targets",
-    "is_bnb_quantized",
-]
+if TYPE_CHECKING:
+    from qerl.params import LoraParams
 
-ALL_PROJECTIONS: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-_BIAS_CHOICES = ("none", "all", "lora_only")
+__all__ = ["apply_lora", "check_lora_targets", "is_bnb_quantized", "to_peft_config"]
 
+def to_peft_config(lora: LoraParams) -> Any:
+    """The ``peft.LoraConfig`` of the ``lora`` settings, for a causal LM."""
+    from peft import LoraConfig
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA hyper-parameters (``lora.*``).
-
-    The defaults suit the tiny embedded model (r=16, alpha=32 on all seven projections);
-    :meth:`paper` is the QeRL paper's setting (r=32, alpha=64).
-    """
-
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ALL_PROJECTIONS
-    bias: str = "none"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.target_modules, str) or not isinstance(self.target_modules, Sequence):
-            raise QerlConfigError(
-                "lora.target_modules",
-                f"expected a list of module names, got {self.target_modules!r}",
-                "e.g. [q_proj, v_proj]",
-            )
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
-        if not self.target_modules or not all(
-            isinstance(t, str) and t for t in self.target_modules
-        ):
-            raise QerlConfigError(
-                "lora.target_modules",
-                f"must be a non-empty list of names, got {list(self.target_modules)!r}",
-                f"e.g. {list(ALL_PROJECTIONS)}",
-            )
-        if not isinstance(self.r, int) or self.r < 1:
-            raise QerlConfigError(
-                "lora.r", f"rank must be a positive integer, got {self.r!r}", "use e.g. 16 or 32"
-            )
-        if not self.alpha > 0:
-            raise QerlConfigError(
-                "lora.alpha", f"must be positive, got {self.alpha!r}", "use e.g. 2 * r"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise QerlConfigError(
-                "lora.dropout",
-                f"must be in [0, 1), got {self.dropout!r}",
-                "use 0.0 (recommended for RL) or e.g. 0.05",
-            )
-        if self.bias not in _BIAS_CHOICES:
-            raise QerlConfigError(
-                "lora.bias", f"unknown value {self.bias!r}", f"use one of {list(_BIAS_CHOICES)}"
-            )
-
-    @classmethod
-    def paper(cls) -> LoraSettings:
-        """The QeRL paper's LoRA: rank 32, alpha 64, on q, k, v, o, gate, up and down projections."""
-        return cls(r=32, alpha=64, dropout=0.0, target_modules=ALL_PROJECTIONS)
-
-    def to_peft_config(self) -> Any:
-        """The equivalent ``peft.LoraConfig`` for a causal LM."""
-        from peft import LoraConfig
-
-        return LoraConfig(
-            r=self.r,
-            lora_alpha=self.alpha,
-            lora_dropout=self.dropout,
-            target_modules=list(self.target_modules),
-            bias=self.bias,
-            task_type="CAUSAL_LM",
-        )
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), bias=lora.bias, task_type="CAUSAL_LM")
 
 
 def _matches(module_name: str, target: str) -> bool:
@@ -151,22 +76,28 @@ def _enable_checkpointing(model: nn.Module, kwargs: dict[str, Any]) -> None:
 
 def apply_lora(
     model: nn.Module,
-    settings: LoraSettings | None = None,
+    lora: LoraParams | None = None,
     *,
     gradient_checkpointing: bool = False,
     adapter_name: str = "default",
+    seed: int | None = None,
 ) -> Any:
     """Wrap ``model`` with LoRA adapters (peft ``get_peft_model``) and return the ``PeftModel``.
 
     Only adapter parameters are trainable afterwards. For bitsandbytes models peft's
     ``prepare_model_for_kbit_training`` runs first (it freezes the base and upcasts the small
     full-precision parts to fp32); other formats need no preparation. Gradient checkpointing
-    (non-reentrant) is enabled only when asked for.
+    (non-reentrant) is enabled only when asked for. With ``seed`` the adapter's random initialisation
+    (LoRA ``A``) is drawn from that seed on a private generator, so two runs with the same seed start
+    from bitwise equal adapters whatever the global RNG state was.
     """
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    settings = settings or LoraSettings()
-    check_lora_targets(model, settings.target_modules)
+    if lora is None:
+        from qerl.params import LoraParams
+
+        lora = LoraParams()
+    check_lora_targets(model, lora.target_modules)
     ckpt_kwargs = {"use_reentrant": False}
     if is_bnb_quantized(model):
         model = prepare_model_for_kbit_training(
@@ -176,4 +107,8 @@ def apply_lora(
         )
     elif gradient_checkpointing:
         _enable_checkpointing(model, ckpt_kwargs)
-    return get_peft_model(model, settings.to_peft_config(), adapter_name=adapter_name)
+    if seed is None:
+        return get_peft_model(model, to_peft_config(lora), adapter_name=adapter_name)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return get_peft_model(model, to_peft_config(lora), adapter_name=adapter_name)

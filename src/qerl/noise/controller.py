@@ -22,60 +22,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qerl.errors import QerlConfigError
 
-
-@dataclass
-class ControllerConfig:
-    """Bounds and gains of the entropy-feedback controller (``noise.controller.*``).
-
-    Attributes:
-        sigma_min: lower clamp, > 0 (multiplicative steps could never leave 0).
-        sigma_max: upper clamp, >= sigma_min.
-        up: factor applied while entropy improves, > 1.
-        down: factor applied otherwise, in (0, 1).
-        window: moving-average window of the entropy observations, >= 1.
-        tolerance: how much the moving average must beat the best one to count as improving, >= 0.
-    """
-
-    sigma_min: float = 1e-4
-    sigma_max: float = 2e-2
-    up: float = 1.2
-    down: float = 0.9
-    window: int = 10
-    tolerance: float = 0.0
-
-    def validate(self, prefix: str = "noise.controller") -> ControllerConfig:
-        """Check every field; raise ``QerlConfigError`` naming the first bad one. Returns self."""
-        def finite(name: str) -> float:
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise QerlConfigError(f"{prefix}.{name}", f"must be a finite number, got {value!r}",
-                                      "see ControllerConfig for sensible defaults")
-            return float(value)
-
-        if finite("sigma_min") <= 0:
-            raise QerlConfigError(f"{prefix}.sigma_min", f"must be > 0, got {self.sigma_min}",
-                                  "use a small positive floor such as 1e-4")
-        if finite("sigma_max") < self.sigma_min:
-            raise QerlConfigError(f"{prefix}.sigma_max", f"{self.sigma_max} is below sigma_min "
-                                  f"{self.sigma_min}", "make sigma_max >= sigma_min")
-        if finite("up") <= 1:
-            raise QerlConfigError(f"{prefix}.up", f"must be > 1, got {self.up}",
-                                  "use a factor such as 1.2")
-        if not 0 < finite("down") < 1:
-            raise QerlConfigError(f"{prefix}.down", f"must be in (0, 1), got {self.down}",
-                                  "use a factor such as 0.9")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise QerlConfigError(f"{prefix}.window", f"must be an integer >= 1, got "
-                                  f"{self.window!r}", "use e.g. 10 steps")
-        if finite("tolerance") < 0:
-            raise QerlConfigError(f"{prefix}.tolerance", f"must be >= 0, got {self.tolerance}",
-                                  "use 0 or a small margin")
-        return self
+if TYPE_CHECKING:
+    from qerl.params import ControllerParams
 
 
 class EntropyFeedbackController:
@@ -83,11 +35,15 @@ class EntropyFeedbackController:
 
     Args:
         sigma_init: starting sigma, clamped into ``[sigma_min, sigma_max]``.
-        cfg: bounds and gains.
+        cfg: bounds and gains (``noise.controller``, validated by the settings model).
     """
 
-    def __init__(self, sigma_init: float, cfg: ControllerConfig | None = None) -> None:
-        self.cfg = (cfg or ControllerConfig()).validate()
+    def __init__(self, sigma_init: float, cfg: ControllerParams | None = None) -> None:
+        if cfg is None:
+            from qerl.params import ControllerParams
+
+            cfg = ControllerParams()
+        self.cfg = cfg
         if not isinstance(sigma_init, (int, float)) or not math.isfinite(sigma_init) \
                 or sigma_init < 0:
             raise QerlConfigError("noise.sigma_start", f"must be a finite number >= 0, got "

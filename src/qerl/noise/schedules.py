@@ -27,11 +27,13 @@ and ``none``: always 0. With ``K = 2`` there is a single noisy stage; it uses ``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from qerl.errors import QerlConfigError
-from qerl.noise.controller import ControllerConfig, EntropyFeedbackController
+from qerl.noise.controller import EntropyFeedbackController
+
+if TYPE_CHECKING:
+    from qerl.params import NoiseParams
 
 SHAPES: tuple[str, ...] = ("exponential", "linear", "cosine", "logarithmic", "constant")
 """Interpolation shapes of the staged schedule."""
@@ -180,44 +182,8 @@ class NoNoise:
         return "NoNoise()"
 
 
-@dataclass
-class NoiseConfig:
-    """AQN parameters (``noise.*``).
-
-    Attributes:
-        enabled: False means no AQN at all (same as ``schedule: none``).
-        schedule: one of ``SCHEDULES``: a fixed shape, ``none``, or ``entropy_feedback`` (the
-            seed's controller, starting at ``sigma_start``).
-        sigma_start: sigma of the first noisy stage (paper 1e-2).
-        sigma_end: sigma of the last stage (paper table 5e-4; released scripts 1e-4).
-        stages: K, number of equal stages (paper 10); stage 0 is noise-free.
-        controller: bounds and gains of ``entropy_feedback`` (a dict is converted).
-        seed: base seed of the per-step noise draws (see ``qerl.noise.aqn.noise_generator``).
-    """
-
-    enabled: bool = True
-    schedule: str = "exponential"
-    sigma_start: float = 1e-2
-    sigma_end: float = 5e-4
-    stages: int = 10
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.controller, dict):
-            self.controller = ControllerConfig(**self.controller)
-
-    def validate(self) -> NoiseConfig:
-        """Check every field (by building a throw-away schedule). Returns self."""
-        build_schedule(self, total_steps=max(self.stages, 1) if isinstance(self.stages, int) else 1)
-        if not isinstance(self.seed, int):
-            raise QerlConfigError("noise.seed", f"must be an integer, got {self.seed!r}",
-                                  "use e.g. 0")
-        return self
-
-
-def build_schedule(cfg: NoiseConfig, total_steps: int) -> NoiseSchedule:
-    """The schedule ``cfg`` describes, over ``total_steps`` training steps.
+def build_schedule(cfg: NoiseParams, total_steps: int) -> NoiseSchedule:
+    """The schedule ``cfg`` (``qerl.params.NoiseParams``) describes, over ``total_steps`` training steps.
 
     ``none`` or ``enabled: false`` -> ``NoNoise``; a shape of ``SHAPES`` -> ``StagedSchedule``;
     ``entropy_feedback`` -> ``EntropyFeedbackController`` starting at ``sigma_start``.

@@ -45,6 +45,7 @@ _ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 
 _REGISTRY: dict[str, RewardFactory] = {}
+_REQUIRES: dict[str, tuple[str, ...]] = {}
 
 
 class RewardError(RuntimeError):
@@ -128,21 +129,34 @@ def column(columns: Mapping[str, Any], name: str, reward: str) -> list[Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
-    """Decorator registering a reward *factory* (kwargs -> reward function) under ``name``."""
+def register_reward(name: str, requires: tuple[str, ...] = ()) -> Callable[[RewardFactory], RewardFactory]:
+    """Decorator registering a reward *factory* (kwargs -> reward function) under ``name``;
+    ``requires`` names the prompt-table columns it reads (checked before any rollout)."""
 
     def deco(factory: RewardFactory) -> RewardFactory:
         _REGISTRY[name] = factory
+        _REQUIRES[name] = tuple(requires)
         return factory
 
     return deco
 
 
 def _registry() -> dict[str, RewardFactory]:
-    """The registry, with the built-ins loaded."""
-    import qerl.rewards.builtin  # noqa: F401  (registers the built-in rewards)
-
+    """The registry (the package ``qerl.rewards`` registers the built-ins when imported)."""
     return _REGISTRY
+
+
+def check_reward_columns(specs: Sequence[Mapping[str, Any]], columns: Sequence[str],
+                         field_name: str = "qerl.rewards.functions") -> None:
+    """Refuse, before any rollout, a reward function whose required prompt columns are missing."""
+    have = set(columns)
+    for i, raw in enumerate(specs):
+        name = raw["name"] if isinstance(raw, Mapping) else str(raw)
+        missing = [c for c in _REQUIRES.get(name, ()) if c not in have]
+        if missing:
+            raise QerlConfigError(
+                f"{field_name}[{i}]", f"reward {name!r} reads the column(s) {missing}, which the training prompts "
+                f"lack (columns: {sorted(have)})", "add them to the prompt source, or choose another reward")
 
 
 def available_rewards() -> list[str]:

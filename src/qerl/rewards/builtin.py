@@ -103,7 +103,7 @@ def answers_match(predicted: str | None, gold: str, *, ignore_case: bool = False
     return a.casefold() == b.casefold() if ignore_case else a == b
 
 
-@register_reward("exact_match")
+@register_reward("exact_match", requires=("answer",))
 def exact_match_reward(
     reward: float = 2.0, fallback: str = "last_number", ignore_case: bool = False
 ) -> RewardFn:
@@ -165,7 +165,7 @@ def math_equivalent(predicted: str | None, gold: str) -> bool | None:
     return bool(verify(list(gold_parsed), pred, timeout_seconds=None))
 
 
-@register_reward("math_verify")
+@register_reward("math_verify", requires=("answer",))
 def math_verify_reward(reward: float = 1.0, fallback: str = "full") -> RewardFn:
     """``reward`` when math-verify finds the extracted answer equivalent to the gold answer."""
     _check_number(reward, "reward")
@@ -251,7 +251,7 @@ def score_reasoning_gym(
     return float(_rg_default_scorer(task)(answer, stored))
 
 
-@register_reward("reasoning_gym")
+@register_reward("reasoning_gym", requires=("metadata",))
 def reasoning_gym_reward(scale: float = 1.0, fallback: str = "none") -> RewardFn:
     """``scale`` x reasoning-gym's verifier score of the extracted answer (None if not a rg row)."""
     _check_number(scale, "scale")

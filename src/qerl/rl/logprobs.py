@@ -69,4 +69,4 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || pi_ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0),
     with ``logprobs`` the log-probs of tokens sampled from ``pi``."""
     delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1.0
+    return torch.expm1(delta) - delta  # = exp(d) - d - 1, without cancellation for small d

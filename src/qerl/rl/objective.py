@@ -9,9 +9,14 @@ Reads top to bottom in the order a trainer uses it:
    or Dr.GRPO's centred-only variant.
 3. ``dynamic_sampling_mask`` / ``zero_std_group_fraction`` -- DAPO's dynamic-sampling filter: groups
    whose rewards are all equal carry no gradient signal.
-4. ``policy_loss`` -- the PPO clipped surrogate with decoupled clip range (DAPO's clip-higher),
-   optional k3 KL penalty to a reference policy, optional entropy bonus, aggregated over tokens as
-   GRPO, DAPO, Dr.GRPO or the seed's plain REINFORCE loss prescribe.
+4. ``rollout_is_weights`` -- the truncated (or masked) importance weight that corrects for the
+   rollout/trainer mismatch (the 4-bit sampler with AQN noise vs the trainer's clean forward), token
+   or sequence level, as TRL's ``vllm_importance_sampling_mode`` and verl's rollout correction do.
+5. ``policy_loss`` -- the PPO clipped surrogate with decoupled clip range (DAPO's clip-higher),
+   weighted by the rollout-IS weight, optional k3 KL penalty to a reference policy, optional entropy
+   bonus, summed over tokens and divided by the denominators of ``LossNorm`` (GRPO, DAPO, Dr.GRPO or
+   the seed's plain REINFORCE). The denominators are fixed per optimizer step, so a step
+   accumulated over micro-batches has exactly the gradient of one pass over their union.
 
 Shapes: ``N`` sequences (completions), ``T`` completion tokens (right-padded), ``V`` vocabulary.
 Pure torch; no Kedro.
@@ -19,13 +24,16 @@ Pure torch; no Kedro.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from qerl.errors import QerlConfigError
 from qerl.rl.logprobs import k3_kl, token_logprobs_and_entropy  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from qerl.params import RLParams
 
 LOSS_TYPES: tuple[str, ...] = ("grpo", "dapo", "dr_grpo", "pg_entropy")
 """Supported ``rl.loss_type`` values (see ``ObjectiveConfig``)."""
@@ -113,108 +121,107 @@ def zero_std_group_fraction(rewards: torch.Tensor, group_size: int) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# 4. The policy loss
+# 4. Rollout importance sampling (the rollout/trainer mismatch)
+# --------------------------------------------------------------------------------------------------
+
+IS_MODES: tuple[str, ...] = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""``rl.rollout_is`` values: TRL 1.16's four ``vllm_importance_sampling_mode`` values, plus off."""
+
+
+def rollout_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights ``pi_old / pi_rollout`` of the sampled tokens, truncated or masked at ``cap``.
+
+    ``rho_t = exp(old_t - rollout_t)`` per token (``token_*``), or ``rho = exp(sum_t (old_t -
+    rollout_t))`` per sequence broadcast to its tokens (``sequence_*``). ``*_truncate``:
+    ``min(rho, cap)``; ``*_mask``: ``rho`` where ``rho <= cap``, else 0 (the token or sequence drops
+    out). ``none``: all ones. Detached (a correction, not a gradient path).
+
+    Returns:
+        ``(weights [N, T], stats)`` with ``mismatch/kl`` (k3 estimate of KL(rollout || trainer) on the
+        sampled tokens), ``mismatch/is_weight_mean``, ``mismatch/is_weight_max`` (of the raw ratio) and
+        ``mismatch/is_clipped_frac`` (fraction of tokens truncated or masked).
+    """
+    if mode not in IS_MODES:
+        raise QerlConfigError("rl.rollout_is", f"unknown mode {mode!r}", f"use one of {', '.join(IS_MODES)}")
+    valid = mask.bool()
+    diff = torch.where(valid, (old_logprobs - rollout_logprobs).detach().float(), torch.zeros(()))
+    diff = torch.nan_to_num(diff, nan=0.0)
+    if mode.startswith("sequence"):
+        rho = torch.exp(diff.sum(dim=1, keepdim=True)).expand_as(diff)
+    else:
+        rho = torch.exp(diff)
+    over = (rho > cap) & valid
+    if mode == "none":
+        weights = torch.ones_like(rho)
+    elif mode.endswith("truncate"):
+        weights = torch.clamp(rho, max=cap)
+    else:
+        weights = torch.where(over, torch.zeros_like(rho), rho)
+    n = valid.sum().clamp(min=1)
+    kl = k3_kl(torch.where(valid, rollout_logprobs.detach().float(), torch.zeros(())),
+               torch.where(valid, old_logprobs.detach().float(), torch.zeros(())))
+    stats = {
+        "mismatch/kl": float((kl * valid).sum() / n),
+        "mismatch/is_weight_mean": float((rho * valid).sum() / n),
+        "mismatch/is_weight_max": float(rho[valid].max()) if valid.any() else 1.0,
+        "mismatch/is_clipped_frac": float(over.sum() / n) if mode != "none" else 0.0,
+    }
+    return weights * valid, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. The policy loss
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ObjectiveConfig:
-    """Parameters of the policy loss (``rl.*``).
+@dataclass(frozen=True)
+class LossNorm:
+    """The denominators of one optimizer step's loss, shared by all its micro-batches.
 
     Attributes:
-        loss_type: how per-token losses are aggregated into one scalar:
-            ``"grpo"`` -- mean over each sequence's tokens, then mean over sequences;
-            ``"dapo"`` -- token level: sum over all tokens / total number of tokens (paper default);
-            ``"dr_grpo"`` -- sum over all tokens / (num_seqs * ``max_completion_length``), a
-            constant denominator free of length bias;
-            ``"pg_entropy"`` -- the seed's plain REINFORCE ``-(log p(seq) * A)`` (no ratio, no
-            clipping), summed over each sequence's tokens, mean over sequences, with an entropy
-            bonus weighted by ``entropy_coef``.
-        eps_low: lower clip range, ratio clipped at ``1 - eps_low``; in [0, 1).
-        eps_high: upper clip range, ratio clipped at ``1 + eps_high`` (clip-higher: > eps_low).
-        beta: weight of the k3 KL penalty to a reference policy (0 = none, the paper's setting).
-        entropy_coef: weight of the entropy bonus (subtracted from the loss); any loss type may use
-            it, ``pg_entropy`` is meant to.
-        max_completion_length: the constant token budget of ``dr_grpo`` (required for it).
+        tokens: ``dapo`` (and the entropy bonus): the generation batch's completion tokens divided by
+            the optimizer steps taken on it (TRL's ``num_items_in_batch / steps_per_generation``), so a
+            token's weight does not depend on which minibatch it landed in.
+        sequences: ``grpo``, ``dr_grpo``, ``pg_entropy``: sequences in the optimizer step.
+        max_completion_length: ``dr_grpo``'s constant per-sequence token budget.
     """
 
-    loss_type: str = "dapo"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    beta: float = 0.0
-    entropy_coef: float = 0.0
+    tokens: float
+    sequences: float
     max_completion_length: int | None = None
 
-    def validate(self) -> ObjectiveConfig:
-        """Check every field; raise ``QerlConfigError`` naming the first bad one. Returns self."""
-        if self.loss_type not in LOSS_TYPES:
-            raise QerlConfigError("rl.loss_type", f"unknown loss type {self.loss_type!r}",
-                                  f"use one of {', '.join(LOSS_TYPES)}")
-        for name in ("eps_low", "eps_high", "beta", "entropy_coef"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise QerlConfigError(f"rl.{name}", f"must be a finite number >= 0, got {value!r}",
-                                      "use the paper's values: eps_low 0.2, eps_high 0.28, beta 0, "
-                                      "entropy_coef 0")
-        if self.eps_low >= 1:
-            raise QerlConfigError("rl.eps_low", f"must be < 1, got {self.eps_low} (the ratio would "
-                                  "be clipped at or below 0)", "use e.g. 0.2")
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise QerlConfigError("rl.max_completion_length",
-                                  f"must be >= 1, got {self.max_completion_length}",
-                                  "set it to the rollout max_new_tokens")
-        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
-            raise QerlConfigError("rl.max_completion_length", "is required by loss_type 'dr_grpo'",
-                                  "set it to the rollout max_new_tokens")
-        return self
+    @staticmethod
+    def of(mask: torch.Tensor, optimizer_steps: int = 1, max_completion_length: int | None = None) -> LossNorm:
+        """Denominators for ``mask`` (the whole generation batch) split into ``optimizer_steps``."""
+        k = max(1, optimizer_steps)
+        return LossNorm(tokens=max(float(mask.sum()), 1.0) / k, sequences=max(mask.shape[0], 1) / k,
+                        max_completion_length=max_completion_length)
 
 
-def _check_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  mask: torch.Tensor, ref_logprobs: torch.Tensor | None,
-                  entropy: torch.Tensor | None) -> None:
-    """Raise ``QerlConfigError`` on inconsistent shapes."""
-    if logprobs.dim() != 2:
-        raise QerlConfigError("logprobs", f"expected [N, T], got {tuple(logprobs.shape)}",
-                              "pass per-token log-probs of the completions")
-    shape = tuple(logprobs.shape)
-    for name, tensor in (("old_logprobs", old_logprobs), ("mask", mask),
-                         ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
-        if tensor is not None and tuple(tensor.shape) != shape:
-            raise QerlConfigError(name, f"shape {tuple(tensor.shape)} != logprobs shape {shape}",
-                                  "align all per-token tensors to [N, T]")
-    if tuple(advantages.shape) != shape[:1]:
-        raise QerlConfigError("advantages", f"expected [{shape[0]}], got {tuple(advantages.shape)}",
-                              "pass one advantage per sequence")
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, norm: LossNorm) -> torch.Tensor:
+    """Reduce a masked [N, T] per-token quantity to this micro-batch's share of the step's scalar.
 
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
-              max_completion_length: int | None = None) -> torch.Tensor:
-    """Reduce a masked [N, T] per-token quantity to a scalar as ``loss_type`` prescribes.
-
-    ``grpo``: ``mean_i( sum_t m x / max(sum_t m, 1) )``; ``dapo``: ``sum m x / max(sum m, 1)``;
-    ``dr_grpo``: ``sum m x / (N * max_completion_length)``; ``pg_entropy``: ``mean_i( sum_t m x )``.
+    ``grpo``: ``sum_i( sum_t m x / max(sum_t m, 1) ) / norm.sequences``; ``dapo``:
+    ``sum m x / norm.tokens``; ``dr_grpo``: ``sum m x / (norm.sequences * max_completion_length)``;
+    ``pg_entropy``: ``sum_i sum_t m x / norm.sequences``. Summing these over the micro-batches of a
+    step gives the step's loss.
     """
     masked = per_token * mask
-    n = per_token.shape[0]
-    if n == 0:
-        return masked.sum()
     if loss_type == "grpo":
-        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / norm.sequences
     if loss_type == "dapo":
-        return masked.sum() / mask.sum().clamp(min=1.0)
+        return masked.sum() / norm.tokens
     if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise QerlConfigError("rl.max_completion_length", "is required by loss_type 'dr_grpo'",
-                                  "set it to the rollout max_new_tokens")
-        if per_token.shape[1] > max_completion_length:
-            raise QerlConfigError("rl.max_completion_length",
-                                  f"{max_completion_length} is smaller than the completion width "
-                                  f"{per_token.shape[1]}", "set it to the rollout max_new_tokens")
-        return masked.sum() / (n * max_completion_length)
+        length = norm.max_completion_length
+        if length is None or per_token.shape[1] > length:
+            raise QerlConfigError("rollout.max_new_tokens", f"dr_grpo needs the completion budget (got {length}) "
+                                  f">= the completion width {per_token.shape[1]}", "set it to the rollout max_new_tokens")
+        return masked.sum() / (norm.sequences * length)
     if loss_type == "pg_entropy":
-        return masked.sum(dim=1).mean()
-    raise QerlConfigError("rl.loss_type", f"unknown loss type {loss_type!r}",
-                          f"use one of {', '.join(LOSS_TYPES)}")
+        return masked.sum() / norm.sequences
+    raise QerlConfigError("rl.loss_type", f"unknown loss type {loss_type!r}", f"use one of {', '.join(LOSS_TYPES)}")
 
 
 def policy_loss(
@@ -222,86 +229,78 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg: ObjectiveConfig,
+    rl: RLParams,
+    norm: LossNorm | None = None,
+    *,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss to minimise and its per-step statistics.
+    """The policy loss to minimise (this micro-batch's share) and its statistics.
 
-    Per token (``A`` broadcast over the sequence's tokens)::
+    Per token (``A`` broadcast over the sequence's tokens, ``w`` the rollout-IS weight)::
 
-        ratio          = exp(logp - old_logp)
-        clipped        = clip(ratio, 1 - eps_low, 1 + eps_high)
-        L_clip         = -min(ratio * A, clipped * A)               # PPO / GRPO / DAPO surrogate
-        L_pg           = -(logp * A)                                 # pg_entropy (REINFORCE) instead
-        L_kl           = beta * (exp(ref - logp) - (ref - logp) - 1) # k3 KL to the reference
-        L_token        = L_clip (or L_pg) + L_kl
+        ratio    = exp(logp - old_logp)
+        clipped  = clip(ratio, 1 - eps_low, 1 + eps_high)
+        L_clip   = -min(ratio * A, clipped * A) * w                 # PPO / GRPO / DAPO surrogate
+        L_pg     = -(logp * A) * w                                  # pg_entropy (REINFORCE) instead
+        L_kl     = beta * (exp(ref - logp) - (ref - logp) - 1)      # k3 KL to the reference
+        L_token  = L_clip (or L_pg) + L_kl
 
-    and ``loss = aggregate(L_token) - entropy_coef * aggregate(entropy)`` with the aggregation of
-    ``cfg.loss_type`` (see ``aggregate``). Computed in float32 whatever the input dtype.
+    and ``loss = aggregate(L_token) - entropy_coef * sum(m H) / norm.tokens``, with ``rl.loss_type``'s
+    aggregation and ``norm``'s denominators (default: this batch alone). Float32 throughout.
 
     Args:
         logprobs: [N, T] log-probs of the sampled tokens under the current policy (with grad).
-        old_logprobs: [N, T] log-probs under the policy that sampled them (no grad needed).
+        old_logprobs: [N, T] the PPO ratio's denominator (rollout or recomputed log-probs).
         advantages: [N] one advantage per sequence.
-        mask: [N, T] nonzero/True for completion tokens, 0/False for padding (values at padding
-            positions of every other per-token tensor are ignored, even inf or nan).
-        cfg: the objective's parameters.
-        ref_logprobs: [N, T] reference-policy log-probs; required when ``cfg.beta > 0``, otherwise
-            only reported as the ``kl`` statistic.
-        entropy: [N, T] per-token entropies; required when ``cfg.entropy_coef > 0``.
+        mask: [N, T] nonzero for completion tokens (values at padding positions of every other
+            per-token tensor are ignored, even inf or nan).
+        rl: the ``rl`` settings (loss_type, eps_low, eps_high, beta, entropy_coef).
+        norm: the step's denominators (``LossNorm.of`` the whole step's mask).
+        ref_logprobs: [N, T] reference log-probs; required when ``rl.beta > 0``.
+        entropy: [N, T] per-token entropies; required when ``rl.entropy_coef > 0``.
+        is_weights: [N, T] rollout importance weights (``rollout_is_weights``); None = 1.
 
     Returns:
-        ``(loss, stats)``: the scalar loss and python floats ``loss``, ``pg_loss``,
-        ``clip_ratio_low`` (fraction of tokens with ratio < 1 - eps_low and A < 0),
-        ``clip_ratio_high`` (ratio > 1 + eps_high and A > 0), ``clip_ratio`` (their sum),
-        ``ratio_mean``, and ``kl`` (if ``ref_logprobs``) and ``entropy`` (if ``entropy``), all
-        token means over the mask.
+        ``(loss, stats)`` with ``loss``, ``pg_loss``, ``clip_ratio_low`` (ratio < 1 - eps_low and
+        A < 0), ``clip_ratio_high`` (ratio > 1 + eps_high and A > 0), ``clip_ratio``, ``ratio_mean``,
+        and ``kl`` / ``entropy`` when given: token means over this micro-batch.
     """
-    cfg.validate()
     _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy)
-    if cfg.beta > 0 and ref_logprobs is None:
-        raise QerlConfigError("rl.beta", f"is {cfg.beta} but no reference log-probs were given",
+    if rl.beta > 0 and ref_logprobs is None:
+        raise QerlConfigError("rl.beta", f"is {rl.beta} but no reference log-probs were given",
                               "pass ref_logprobs or set rl.beta to 0")
-    if cfg.entropy_coef > 0 and entropy is None:
-        raise QerlConfigError("rl.entropy_coef", f"is {cfg.entropy_coef} but no entropy was given",
+    if rl.entropy_coef > 0 and entropy is None:
+        raise QerlConfigError("rl.entropy_coef", f"is {rl.entropy_coef} but no entropy was given",
                               "pass the per-token entropy or set rl.entropy_coef to 0")
-
-    # Padding positions are zeroed *before* any exp/log so that garbage there (e.g. -inf log-probs)
-    # can never turn into inf * 0 = nan in the loss or its gradient.
     valid = mask.bool()
     mask_f = valid.to(torch.float32)
+    norm = norm or LossNorm.of(mask_f)
 
     def masked(x: torch.Tensor) -> torch.Tensor:
+        # padding zeroed before any exp/log: garbage there can never become inf * 0 = nan
         return torch.where(valid, x.float(), torch.zeros((), dtype=torch.float32, device=x.device))
 
     logp = masked(logprobs)
-    adv = advantages.float().detach().unsqueeze(1)  # [N, 1], broadcast over tokens
-
-    # Importance ratio between the current and the sampling policy.
+    adv = advantages.float().detach().unsqueeze(1)
+    weight = masked(is_weights.detach()) if is_weights is not None else mask_f
     ratio = torch.exp(logp - masked(old_logprobs.detach()))
 
-    # Policy-gradient term.
-    if cfg.loss_type == "pg_entropy":
-        per_token = -(logp * adv)
+    if rl.loss_type == "pg_entropy":
+        per_token = -(logp * adv) * weight
     else:
-        clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-        per_token = -torch.minimum(ratio * adv, clipped * adv)
-    pg_loss = aggregate(per_token, mask_f, cfg.loss_type, cfg.max_completion_length)
-
-    # KL penalty to the reference policy (k3 estimator).
+        clipped = torch.clamp(ratio, 1.0 - rl.eps_low, 1.0 + rl.eps_high)
+        per_token = -torch.minimum(ratio * adv, clipped * adv) * weight
+    pg_loss = aggregate(per_token, mask_f, rl.loss_type, norm)
     kl = None
     if ref_logprobs is not None:
         kl = k3_kl(logp, masked(ref_logprobs.detach()))
-        if cfg.beta > 0:
-            per_token = per_token + cfg.beta * kl
-
-    loss = aggregate(per_token, mask_f, cfg.loss_type, cfg.max_completion_length)
-
-    # Entropy bonus.
-    if cfg.entropy_coef > 0 and entropy is not None:
-        loss = loss - cfg.entropy_coef * aggregate(masked(entropy), mask_f, cfg.loss_type,
-                                                   cfg.max_completion_length)
+        if rl.beta > 0:
+            per_token = per_token + rl.beta * kl
+    loss = aggregate(per_token, mask_f, rl.loss_type, norm)
+    if rl.entropy_coef > 0 and entropy is not None:
+        loss = loss - rl.entropy_coef * (masked(entropy) * mask_f).sum() / norm.tokens
 
     with torch.no_grad():
         tokens = mask_f.sum().clamp(min=1.0)
@@ -309,18 +308,32 @@ def policy_loss(
         def token_mean(x: torch.Tensor) -> float:
             return float(((x * mask_f).sum() / tokens).item())
 
-        low = ((ratio < 1.0 - cfg.eps_low) & (adv < 0)).float()
-        high = ((ratio > 1.0 + cfg.eps_high) & (adv > 0)).float()
+        low = ((ratio < 1.0 - rl.eps_low) & (adv < 0)).float()
+        high = ((ratio > 1.0 + rl.eps_high) & (adv > 0)).float()
         stats: dict[str, float] = {
-            "loss": float(loss.detach().item()),
-            "pg_loss": float(pg_loss.detach().item()),
-            "clip_ratio_low": token_mean(low),
-            "clip_ratio_high": token_mean(high),
-            "clip_ratio": token_mean(low + high),
-            "ratio_mean": token_mean(ratio),
+            "loss": float(loss.detach()), "pg_loss": float(pg_loss.detach()),
+            "clip_ratio_low": token_mean(low), "clip_ratio_high": token_mean(high),
+            "clip_ratio": token_mean(low + high), "ratio_mean": token_mean(ratio),
         }
         if kl is not None:
             stats["kl"] = token_mean(kl)
         if entropy is not None:
             stats["entropy"] = token_mean(masked(entropy))
     return loss, stats
+
+
+def _check_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor, ref_logprobs: torch.Tensor | None, entropy: torch.Tensor | None) -> None:
+    """Raise ``QerlConfigError`` on inconsistent shapes."""
+    if logprobs.dim() != 2:
+        raise QerlConfigError("logprobs", f"expected [N, T], got {tuple(logprobs.shape)}",
+                              "pass per-token log-probs of the completions")
+    shape = tuple(logprobs.shape)
+    for name, tensor in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
+                         ("entropy", entropy)):
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise QerlConfigError(name, f"shape {tuple(tensor.shape)} != logprobs shape {shape}",
+                                  "align all per-token tensors to [N, T]")
+    if tuple(advantages.shape) != shape[:1]:
+        raise QerlConfigError("advantages", f"expected [{shape[0]}], got {tuple(advantages.shape)}",
+                              "pass one advantage per sequence")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+from qerl.train.metrics import REWARD_MEAN, ROLLOUT_ENTROPY
 
 
 def first_step_reaching(metrics: pd.DataFrame, column: str, threshold: float, window: int = 5) -> float:
@@ -30,15 +29,15 @@ def per_run_rows(metrics: pd.DataFrame, evaluation: pd.DataFrame, threshold: flo
             {
                 "variant": variant,
                 "seed": seed,
-                "steps_to_threshold": first_step_reaching(m, "reward_mean", threshold),
-                "entropy_first_third": float(third["entropy"].mean()),
-                "reward_last5": float(m["reward_mean"].tail(5).mean()),
+                "steps_to_threshold": first_step_reaching(m, REWARD_MEAN, threshold),
+                "entropy_first_third": float(third[ROLLOUT_ENTROPY].mean()),
+                "reward_last5": float(m[REWARD_MEAN].tail(5).mean()),
                 "pass@1_before": float(ev.loc["before", "pass@1_greedy"]),
                 "pass@1_after": float(ev.loc["after", "pass@1_greedy"]),
                 "pass@k_after": float(ev.loc["after", [c for c in ev.columns if c.startswith("pass@") and c not in ("pass@1_greedy", "pass@1_sampled")][0]]),
                 "kl_to_full_precision": float(ev.loc["after", "kl_base_to_fp"]) if "kl_base_to_fp" in ev else math.nan,
-                "seconds_per_step": float((m["t_generate"] + m["t_score"] + m["t_update"]).mean()),
-                "peak_mem_gib": float(m["peak_mem_gib"].max()),
+                "seconds_per_step": float(m["time/step"].mean()),
+                "peak_mem_gib": float(m["memory/peak_gib"].max()),
             }
         )
     return pd.DataFrame(rows)

@@ -1,53 +1,52 @@
-"""The policy: a frozen (quantized) base model, its tokenizer and a live LoRA adapter.
+"""Stage 2, the quantized model setup: a frozen (quantized) base, its tokenizer and a live LoRA adapter.
 
 ``build_policy`` quantizes while loading and wraps the model with peft; ``save_policy`` /
 ``load_policy`` persist what a later process needs to rebuild the *same* policy without the
-original training process (used by single-node reruns): a ``spec.json`` and, for our own 4-bit
-formats, the quantized base in the compressed-tensors layout (bit-identical on reload).
+original training process (used by single-node reruns): the settings that define it
+(``policy.json``: model, quant, lora) and, for our own 4-bit formats, the quantized base in the
+compressed-tensors layout (bit-identical on reload).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qerl.atomic import atomic_directory
 from qerl.errors import QerlConfigError
-from qerl.modeling.loader import load_policy_base, load_quantized, save_quantized
-from qerl.modeling.lora import LoraSettings, apply_lora
+from qerl.modeling.loader import load_policy_base, load_quantized, resolve_device, save_quantized
+from qerl.modeling.lora import apply_lora
+from qerl.quant.formats import FP4_FORMATS
+from qerl.train.seeds import derive_seed
 
-OWN_FORMATS = ("nvfp4", "mxfp4")
+if TYPE_CHECKING:
+    from qerl.params import LoraParams, ModelParams, QuantParams, TrainParams
 
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """Everything needed to rebuild a policy's base model and adapter shape."""
-
-    model_path: str
-    format: str = "nvfp4"
-    device: str = "auto"
-    dtype: str = "auto"
-    bnb_double_quant: bool = True
-    on_indivisible: str = "skip"
-    skip_modules: tuple[str, ...] = ("lm_head",)
-    lora: dict[str, Any] = field(default_factory=dict)
-    gradient_checkpointing: bool = False
+SPEC_FILE = "policy.json"
 
 
 @dataclass
 class Policy:
-    """A ready-to-train policy. ``model`` is a ``peft.PeftModel``."""
+    """A ready-to-train policy. ``model`` is a ``peft.PeftModel``; ``model_settings`` / ``quant`` /
+    ``lora`` are the settings it was built from (``qerl.params``)."""
 
     model: torch.nn.Module
     tokenizer: Any
-    spec: PolicySpec
+    model_settings: ModelParams
+    quant: QuantParams
+    lora: LoraParams
     device: torch.device
     dtype: torch.dtype
+    gradient_checkpointing: bool = False
+
+    @property
+    def format(self) -> str:
+        return self.quant.format
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -65,11 +64,16 @@ class Policy:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else self.eos_token_ids[0])
 
+    def identity(self) -> dict[str, Any]:
+        """What defines this policy's base and adapter shape (compared on single-node reruns)."""
+        return {"model": self.model_settings.model_dump(mode="json"), "quant": self.quant.model_dump(mode="json"),
+                "lora": self.lora.model_dump(mode="json")}
+
     def lora_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if p.requires_grad and "lora_" in n]
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The LoRA weights only (what a checkpoint stores)."""
+        """The LoRA weights only, under peft's own key names (what adapter_model.safetensors holds)."""
         from peft import get_peft_model_state_dict
 
         return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
@@ -86,13 +90,11 @@ class Policy:
             )
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU."""
+def device_of(name: str) -> torch.device:
+    """``model.device``: ``auto`` -> CUDA when available, else CPU; otherwise checked as given."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise QerlConfigError("model.device", "cuda requested but no GPU is visible", "use device: auto or cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -102,65 +104,61 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def lora_settings(spec: PolicySpec) -> LoraSettings:
-    lora = dict(spec.lora)
-    preset = lora.pop("preset", None)
-    if preset == "paper":
-        return LoraSettings.paper()
-    return LoraSettings(**lora)
-
-
-def build_policy(spec: PolicySpec) -> tuple[Policy, list[dict[str, Any]]]:
-    """Load + quantize the base layer by layer, then attach a fresh LoRA adapter."""
-    device = resolve_device(spec.device)
-    dtype = resolve_dtype(spec.dtype, device)
-    settings = lora_settings(spec)
-    model, tokenizer, report = load_policy_base(
-        spec.model_path,
-        spec.format,
-        device=device,
-        compute_dtype=dtype,
-        bnb_double_quant=spec.bnb_double_quant,
-        skip_modules=tuple(spec.skip_modules),
-        on_indivisible=spec.on_indivisible,
+def build_policy(
+    model: ModelParams, quant: QuantParams, lora: LoraParams, *, gradient_checkpointing: bool = False,
+    seed: int | None = 0,
+) -> tuple[Policy, list[dict[str, Any]]]:
+    """Load + quantize the base layer by layer, then attach a fresh LoRA adapter (its random
+    initialisation drawn from ``seed``). Returns the policy and the per-layer quantization report."""
+    device = device_of(model.device)
+    dtype = resolve_dtype(model.dtype, device)
+    base, tokenizer, report = load_policy_base(
+        model.path, quant.format, device=device, compute_dtype=dtype, bnb_double_quant=quant.bnb_double_quant,
+        skip_modules=tuple(quant.skip_modules), on_indivisible=quant.on_indivisible,
     )
-    model = apply_lora(model, settings, gradient_checkpointing=spec.gradient_checkpointing).eval()
-    return Policy(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=dtype), report
+    peft_model = apply_lora(base, lora, gradient_checkpointing=gradient_checkpointing, seed=seed).eval()
+    return Policy(peft_model, tokenizer, model, quant, lora, device, dtype, gradient_checkpointing), report
+
+
+def build_policy_for(params: TrainParams) -> tuple[Policy, list[dict[str, Any]]]:
+    """:func:`build_policy` from the ``qerl`` settings block (LoRA init seeded from ``rl.seed``)."""
+    return build_policy(params.model, params.quant, params.lora, gradient_checkpointing=params.rl.gradient_checkpointing,
+                        seed=derive_seed(params.rl.seed, 0, "lora_init"))
 
 
 def save_policy(policy: Policy, out_dir: str | os.PathLike) -> Path:
-    """Write ``spec.json`` (+ the quantized base for nvfp4/mxfp4) atomically into ``out_dir``."""
+    """Write ``policy.json`` (+ the quantized base for nvfp4/mxfp4) atomically into ``out_dir``."""
     out = Path(out_dir)
     with atomic_directory(out) as tmp:
-        spec = asdict(policy.spec)
-        spec["skip_modules"] = list(spec["skip_modules"])
-        (tmp / "spec.json").write_text(json.dumps(spec, indent=2))
-        if policy.spec.format in OWN_FORMATS:
+        spec = {**policy.identity(), "gradient_checkpointing": policy.gradient_checkpointing}
+        (tmp / SPEC_FILE).write_text(json.dumps(spec, indent=2))
+        if policy.format in FP4_FORMATS:
             base = policy.model.get_base_model()
             with policy.model.disable_adapter():
                 save_quantized(_without_lora(base), policy.tokenizer, tmp / "base")
     return out
 
 
-def load_policy(in_dir: str | os.PathLike) -> Policy:
-    """Rebuild a policy saved with :func:`save_policy` (adapter freshly initialised)."""
+def load_policy(in_dir: str | os.PathLike, seed: int | None = 0) -> Policy:
+    """Rebuild a policy saved with :func:`save_policy` (adapter freshly initialised from ``seed``)."""
+    from qerl.params import LoraParams, ModelParams, QuantParams
+
     root = Path(in_dir)
-    spec_file = root / "spec.json"
+    spec_file = root / SPEC_FILE
     if not spec_file.exists():
         raise QerlConfigError(
             "policy", f"no saved policy at {root}",
-            "run `kedro run --pipeline=qerl_train` (its setup_quantized_policy node writes it) first",
+            "run `kedro run --pipelines=qerl_train` (its setup_quantized_policy node writes it) first",
         )
     raw = json.loads(spec_file.read_text())
-    raw["skip_modules"] = tuple(raw.get("skip_modules", ("lm_head",)))
-    spec = PolicySpec(**raw)
-    if spec.format in OWN_FORMATS and (root / "base").exists():
-        device = resolve_device(spec.device)
-        dtype = resolve_dtype(spec.dtype, device)
-        model, tokenizer = load_quantized(root / "base", device=device)
-        model = apply_lora(model, lora_settings(spec), gradient_checkpointing=spec.gradient_checkpointing).eval()
-        return Policy(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=dtype)
-    return build_policy(spec)[0]
+    model, quant, lora = ModelParams(**raw["model"]), QuantParams(**raw["quant"]), LoraParams(**raw["lora"])
+    ckpt = bool(raw.get("gradient_checkpointing", False))
+    if quant.format in FP4_FORMATS and (root / "base").exists():
+        device = device_of(model.device)
+        base, tokenizer = load_quantized(root / "base", device=device)
+        peft_model = apply_lora(base, lora, gradient_checkpointing=ckpt, seed=seed).eval()
+        return Policy(peft_model, tokenizer, model, quant, lora, device, resolve_dtype(model.dtype, device), ckpt)
+    return build_policy(model, quant, lora, gradient_checkpointing=ckpt, seed=seed)[0]
 
 
 def _without_lora(model: torch.nn.Module) -> torch.nn.Module:

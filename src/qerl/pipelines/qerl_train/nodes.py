@@ -1,255 +1,159 @@
-"""Nodes of ``qerl_train``: thin wrappers that translate typed parameters and call the core
-(``qerl.train``). The per-step nodes are made by :func:`step_node` so each unrolled step knows its
-own number.
-"""
+"""Nodes of ``qerl_train``: each one stage of the core (``qerl.train``), taking only the settings
+blocks it uses. The RL step is ``generate_rollouts -> score_rewards -> lora_rl_update``, repeated by
+``qerl.runner.LoopRunner``; a rollout node rerun alone replays one step of the configured run."""
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
 
-from qerl.datasets.step_table import SKIPPED, is_skipped
+from qerl.datasets.checkpoints import ReplayHandle
 from qerl.errors import QerlConfigError
-from qerl.noise.schedules import NoiseConfig, build_schedule
-from qerl.params import TrainParams
-from qerl.rewards.base import build_rewards
-from qerl.rl.objective import ObjectiveConfig
-from qerl.rollout import get_engine
-from qerl.train import run as train_run
-from qerl.train.policy import Policy, PolicySpec, build_policy
-from qerl.train.state import TrainState, fingerprint
-from qerl.train.steps import (
-    RolloutConfig,
-    UpdateConfig,
-    rollout_step,
-    score_step,
-    select_prompts,
-    update_step,
+from qerl.eval.evaluate import evaluation_table
+from qerl.params import (
+    EvalParams,
+    LoraParams,
+    ModelParams,
+    NoiseParams,
+    QuantParams,
+    ReplayParams,
+    ReportParams,
+    RewardParams,
+    RLParams,
+    RolloutParams,
+    train_params,
 )
+from qerl.train import loop
+from qerl.train.checkpoints import CheckpointStore
+from qerl.train.policy import Policy, build_policy
+from qerl.train.score import score_step
+from qerl.train.seeds import derive_seed
+from qerl.train.state import TrainState
+from qerl.train.update import update_step
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_ROOT = "data/06_models/checkpoints"
+
+def setup_quantized_policy(model: ModelParams, quant: QuantParams, lora: LoraParams, rl: RLParams) -> tuple[Policy, pd.DataFrame]:
+    """Stage 2: load the base quantized layer by layer and attach a seeded LoRA adapter."""
+    policy, report = build_policy(model, quant, lora, gradient_checkpointing=rl.gradient_checkpointing,
+                                  seed=derive_seed(rl.seed, 0, "lora_init"))
+    log.info("policy ready: %s on %s, %d LoRA parameters", quant.format, policy.device,
+             sum(p.numel() for p in policy.lora_parameters()))
+    return policy, pd.DataFrame(report)
 
 
-# ---------------------------------------------------------------- translation of parameters
+def evaluate_before(policy: Policy, train_prompts: pd.DataFrame, eval_prompts: pd.DataFrame,
+                    checkpoints: CheckpointStore, qerl: Mapping[str, Any]) -> pd.DataFrame:
+    """Held-out baseline of the untrained (zero-adapter) policy; a resumed run reuses its own."""
+    params = train_params(qerl)
+    stored = checkpoints.run_for(params, train_prompts).eval_before()
+    if stored is not None:
+        log.info("held-out baseline: reusing the one this run measured before training")
+        return stored
+    return evaluation_table(policy, eval_prompts, params.eval, params.rollout, stage="before", step=0)
 
 
-def policy_spec(p: TrainParams) -> PolicySpec:
-    lora = p.lora.model_dump()
-    if lora.get("preset") in (None, "default"):
-        lora.pop("preset", None)
-    return PolicySpec(
-        model_path=p.model.path, format=p.quant.format, device=p.model.device, dtype=p.model.dtype,
-        bnb_double_quant=p.quant.bnb_double_quant, on_indivisible=p.quant.on_indivisible,
-        skip_modules=tuple(p.quant.skip_modules), lora=lora, gradient_checkpointing=p.rl.gradient_checkpointing,
-    )
-
-
-def objective_config(p: TrainParams) -> ObjectiveConfig:
-    return ObjectiveConfig(
-        loss_type=p.rl.loss_type, eps_low=p.rl.eps_low, eps_high=p.rl.eps_high, beta=p.rl.beta,
-        entropy_coef=p.rl.entropy_coef, max_completion_length=p.rollout.max_new_tokens,
-    )
-
-
-def noise_config(p: TrainParams) -> NoiseConfig:
-    n = p.noise
-    return NoiseConfig(
-        enabled=n.enabled, schedule=n.schedule, sigma_start=n.sigma_start, sigma_end=n.sigma_end,
-        stages=n.stages, controller=dict(n.controller), seed=p.rl.seed,
-    )
-
-
-def rollout_config(p: TrainParams) -> RolloutConfig:
-    r = p.rollout
-    return RolloutConfig(
-        group_size=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-        max_prompt_tokens=r.max_prompt_tokens, overlong_prompt=r.overlong_prompt,
-    )
-
-
-def run_fingerprint(p: TrainParams) -> str:
-    """Settings that define a run: resume only continues a run with the same ones."""
-    keep = p.model_dump(exclude={"report": True, "eval": True, "rl": {"save_every", "resume", "max_bad_steps"}})
-    return fingerprint(keep)
-
-
-def validate_train_params(p: TrainParams, n_rounds: int | None = None) -> None:
-    """Every check that needs no model: runs first, so bad settings fail before any load."""
-    objective_config(p).validate()
-    noise_config(p).validate()
-    build_schedule(noise_config(p), p.rl.steps)
-    build_rewards([r.model_dump() for r in p.rewards.functions], "qerl.rewards.functions")
-    if n_rounds is not None and n_rounds != p.rl.steps:
-        raise QerlConfigError(
-            "qerl.rl.steps",
-            f"is {p.rl.steps} but the pipeline was unrolled into {n_rounds} steps when it was built",
-            "run through `kedro run` (which builds the pipeline from the run's own parameters) or pass "
-            "steps=qerl.rl.steps to create_pipeline",
-        )
-
-
-# ---------------------------------------------------------------- setup / start
-
-
-def setup_quantized_policy(params: TrainParams, *, n_rounds: int) -> tuple[Policy, pd.DataFrame]:
-    """Validate all settings, then load the base quantized layer by layer and attach LoRA."""
-    validate_train_params(params, n_rounds)
-    policy, report = build_policy(policy_spec(params))
-    table = pd.DataFrame(report)
-    log.info(
-        "policy ready: %s, %s, %d LoRA params",
-        params.quant.format, policy.device, sum(p.numel() for p in policy.lora_parameters()),
-    )
-    return policy, table
-
-
-def start_training(policy: Policy, baseline_eval: pd.DataFrame, params: TrainParams) -> TrainState:
-    """A fresh training state, or the newest checkpoint of this same run (``rl.resume: auto``)."""
-    del baseline_eval  # ordering only: the baseline is measured before any update
-    rl = params.rl
-    return train_run.start_run(
-        policy,
-        run_name=rl.run_name, fingerprint=run_fingerprint(params), total_steps=rl.steps, save_every=rl.save_every,
-        optimizer=rl.optimizer, lr=rl.lr, weight_decay=rl.weight_decay, warmup_ratio=rl.warmup_ratio,
-        lr_schedule=rl.lr_schedule, optimizer_steps_per_step=rl.epochs * rl.minibatches,
-        noise=build_schedule(noise_config(params), rl.steps), checkpoint_root=CHECKPOINT_ROOT, resume=rl.resume,
-    )
-
-
-# ---------------------------------------------------------------- the three per-step stages
-
-
-def generate_rollouts(
-    policy: Policy, state: TrainState, train_prompts: pd.DataFrame, params: TrainParams, *, step: int
-) -> pd.DataFrame:
-    """Sample G completions per prompt of this step with the 4-bit policy, its live adapter and AQN."""
-    if state.resident and state.step >= step:
-        return SKIPPED  # resumed run: this step is already in the checkpoint
-    if not state.resident:
-        log.info("rollouts of step %d from checkpoint %s", step, state.checkpoint_dir)
-    train_run.sync_policy(policy, state)
-    noise = _noise(state, params)
-    sigma = noise.sigma(step - 1)
-    prompts = select_prompts(train_prompts, step, params.rl.prompts_per_step, params.rl.seed)
-    engine = get_engine(params.rollout.engine, policy.device)
-    return rollout_step(policy, prompts, step, sigma, rollout_config(params), engine, params.rl.seed)
-
-
-def score_rewards(rollouts: pd.DataFrame, params: TrainParams) -> pd.DataFrame:
-    """Reward every completion (weighted reward functions) and compute group advantages."""
-    if is_skipped(rollouts):
-        return SKIPPED
-    fns = build_rewards([r.model_dump() for r in params.rewards.functions], "qerl.rewards.functions")
-    return score_step(
-        rollouts, fns, params.rollout.group_size, scale_by_std=params.rl.scale_by_std,
-        dynamic_sampling=params.rl.dynamic_sampling, on_error=params.rewards.on_error,
-    )
-
-
-def lora_rl_update(policy: Policy, state: TrainState, scored: pd.DataFrame, params: TrainParams) -> TrainState:
-    """PPO-clipped LoRA update on the scored rollouts; records metrics and checkpoints when due."""
-    if is_skipped(scored):
-        return state
-    if not state.resident:
-        raise QerlConfigError(
-            "lora_rl_update", "cannot update from a checkpoint alone (no optimizer in memory)",
-            "rerun training with `kedro run --pipeline=qerl_train` (it resumes from the latest checkpoint)",
-        )
-    cfg = UpdateConfig(
-        objective=objective_config(params), epochs=params.rl.epochs, minibatches=params.rl.minibatches,
-        max_grad_norm=params.rl.max_grad_norm, track_kl=params.rl.track_kl, max_bad_steps=params.rl.max_bad_steps,
-        seed=params.rl.seed,
-    )
-    metrics = update_step(policy, state, scored, cfg, params.rollout.temperature)
-    train_run.finish_step(policy, state, metrics, CHECKPOINT_ROOT)
+def start_training(policy: Policy, eval_before: pd.DataFrame, train_prompts: pd.DataFrame,
+                   checkpoints: CheckpointStore, qerl: Mapping[str, Any]) -> TrainState:
+    """A fresh run of this configuration, or its newest good checkpoint (``rl.resume: auto``)."""
+    state = loop.start_run(policy, train_params(qerl), train_prompts, checkpoints)
+    if state.run.eval_before() is None:
+        state.run.save_eval_before(eval_before)
     return state
 
 
-def bind(func: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
-    """``func`` with keyword arguments bound (e.g. its step number), keeping the name, docstring
-    and annotations Kedro, its parameter validation and kedro viz read."""
-    bound = functools.partial(func, **kwargs)
-    functools.update_wrapper(bound, func)
-    return bound
+def generate_rollouts(policy: Policy, train_state: TrainState | ReplayHandle, train_prompts: pd.DataFrame,
+                      qerl: Mapping[str, Any], replay: ReplayParams) -> pd.DataFrame:
+    """Stage 3: G completions per prompt of the next step from the 4-bit policy with AQN noise.
+    Rerun alone, it replays ``replay.step`` (default: the last) of this configuration's run (the
+    whole ``qerl`` block identifies that run)."""
+    params = train_params(qerl)
+    if isinstance(train_state, ReplayHandle):
+        train_state = loop.replay_state(policy, params, train_prompts, train_state.store, replay.step)
+    return loop.generate(policy, train_state, train_prompts, params.rollout, params.rl)
 
 
-# ---------------------------------------------------------------- after training
+def score_rewards(rollouts: pd.DataFrame, rewards: RewardParams, rl: RLParams) -> pd.DataFrame:
+    """Stage 4: weighted reward functions, group-normalised advantages, DAPO's filter."""
+    if rollouts["step"].nunique() != 1:
+        raise QerlConfigError("score_rewards", f"got the rollouts of {rollouts['step'].nunique()} steps (the saved "
+                              "training record); it scores one step", "replay it with its rollouts: "
+                              "--nodes=rl_loop.generate_rollouts,rl_loop.score_rewards --params replay.step=N")
+    return score_step(rollouts, rewards, rl)
 
 
-def collect_metrics(state: TrainState) -> pd.DataFrame:
-    """The per-step metrics table of the run (each step once, also across a resume)."""
-    if not state.history:
-        raise QerlConfigError("qerl.rl.steps", "the run recorded no steps", "run at least one step")
-    df = pd.DataFrame(state.history).drop_duplicates("step", keep="last").sort_values("step")
-    df.insert(0, "run", f"{state.run_name}/{state.fingerprint}")
-    return df.reset_index(drop=True)
+def lora_rl_update(policy: Policy, train_state: TrainState | ReplayHandle, scored_rollouts: pd.DataFrame,
+                   rl: RLParams, rollout: RolloutParams) -> TrainState:
+    """Stage 5: the PPO-clipped LoRA update; records the step's metrics and checkpoints when due."""
+    if isinstance(train_state, ReplayHandle) or not train_state.resident:
+        raise QerlConfigError("lora_rl_update", "cannot update outside the training loop (no optimizer in memory)",
+                              "run `kedro run --pipelines=qerl_train` (it resumes from the newest checkpoint)")
+    row = update_step(policy, train_state, scored_rollouts, rl, rollout)
+    loop.finish_step(policy, train_state, row)
+    return train_state
 
 
-def _noise(state: TrainState, params: TrainParams) -> Any:
-    if state.noise is not None and hasattr(state.noise, "sigma"):
-        return state.noise
-    noise = build_schedule(noise_config(params), params.rl.steps)
-    if isinstance(state.noise, dict) and hasattr(noise, "load_state_dict"):
-        noise.load_state_dict(state.noise)
-    return noise
+def _live(state: TrainState | ReplayHandle, node: str) -> TrainState:
+    if isinstance(state, ReplayHandle):
+        raise QerlConfigError(node, "needs the live training state of this process",
+                              "run the whole pipeline: `kedro run --pipelines=qerl_train` (a finished run is skipped)")
+    return state
 
 
-def evaluate(policy: Policy, state: TrainState | None, eval_prompts: pd.DataFrame, params: TrainParams, *, stage: str) -> pd.DataFrame:
-    """Greedy pass@1 and sampled pass@k on held-out prompts, adapter applied."""
-    from qerl.eval.evaluate import evaluate_policy
-
-    if state is not None:
-        train_run.sync_policy(policy, state)
-    e = params.eval
-    prompts = eval_prompts if e.max_prompts is None else eval_prompts.head(e.max_prompts)
-    summary, _ = evaluate_policy(
-        policy, prompts, get_engine(params.rollout.engine, policy.device), k=e.k, temperature=e.temperature,
-        max_new_tokens=e.max_new_tokens, max_prompt_tokens=params.rollout.max_prompt_tokens,
-        reward=dict(e.correctness), threshold=e.threshold, seed=e.seed,
-    )
-    row = {"stage": stage, "step": state.step if state is not None else 0, "format": params.quant.format, **summary}
-    log.info("evaluation (%s): %s", stage, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-    return pd.DataFrame([row])
-
-
-def evaluate_before(policy: Policy, eval_prompts: pd.DataFrame, params: TrainParams) -> pd.DataFrame:
-    """Baseline: the quantized warm start with the fresh (zero) adapter."""
-    return evaluate(policy, None, eval_prompts, params, stage="before")
-
-
-def evaluate_after(policy: Policy, state: TrainState, eval_prompts: pd.DataFrame, params: TrainParams) -> pd.DataFrame:
-    """The trained policy."""
-    return evaluate(policy, state, eval_prompts, params, stage="after")
-
-
-def collect_evaluation(before: pd.DataFrame, after: pd.DataFrame) -> pd.DataFrame:
-    """Before and after side by side (one row each) plus the gain."""
-    table = pd.concat([before, after], ignore_index=True)
-    gain = after.iloc[0]["pass@1_greedy"] - before.iloc[0]["pass@1_greedy"]
-    log.info("held-out greedy pass@1: %.3f -> %.3f (%+.1f points)", before.iloc[0]["pass@1_greedy"], after.iloc[0]["pass@1_greedy"], 100 * gain)
-    return table
-
-
-def report_noise_metrics(policy: Policy, state: TrainState, eval_prompts: pd.DataFrame, params: TrainParams) -> pd.DataFrame:
-    """KL(full precision || quantized), entropies and entropy gain on a fixed probe set, per format."""
+def report_noise_metrics(policy: Policy, trained_state: TrainState, eval_prompts: pd.DataFrame, report: ReportParams,
+                         noise: NoiseParams, rl: RLParams) -> pd.DataFrame:
+    """Stage 6: KL(full precision || quantized), entropies and entropy gain on a fixed probe set."""
     from qerl.eval.noise_report import noise_report
 
-    train_run.sync_policy(policy, state)
-    probe = eval_prompts["prompt"].head(params.report.probe_size).tolist()
-    sigma = params.noise.sigma_start if params.noise.enabled else 0.0
-    table = noise_report(policy, probe, list(params.report.formats), sigma, params.report.max_new_tokens, params.rl.seed)
+    state = _live(trained_state, "report_noise_metrics")
+    probe = eval_prompts["prompt"].head(report.probe_size).tolist()
+    sigma = noise.sigma_start if noise.enabled and noise.schedule != "none" else 0.0
+    table = noise_report(policy, probe, list(report.formats), sigma, report.max_new_tokens, rl.seed)
     table.insert(0, "step", state.step)
     return table
 
 
-def plot_training(metrics: pd.DataFrame) -> dict[str, Any]:
-    """Reward, entropy, sigma and KL over steps (PNG per curve + overview)."""
+def evaluate_after(policy: Policy, trained_state: TrainState, eval_prompts: pd.DataFrame, eval: EvalParams,
+                   rollout: RolloutParams) -> pd.DataFrame:
+    """Held-out evaluation of the trained policy, adapter applied."""
+    state = _live(trained_state, "evaluate_after")
+    return evaluation_table(policy, eval_prompts, eval, rollout, stage="after", step=state.step)
+
+
+def collect_evaluation(eval_before: pd.DataFrame, eval_after: pd.DataFrame) -> pd.DataFrame:
+    """Before and after, one row each."""
+    return pd.concat([eval_before, eval_after], ignore_index=True)
+
+
+def collect_metrics(trained_state: TrainState) -> pd.DataFrame:
+    """The per-step metrics table of the run (each step once, also across a resume)."""
+    return loop.metrics_table(_live(trained_state, "collect_metrics"))
+
+
+def plot_training(training_metrics: pd.DataFrame, evaluation: pd.DataFrame) -> dict[str, Any]:
+    """Reward, rollout entropy, sigma and KL over steps, and the held-out evaluation before/after."""
     from qerl.eval.plots import training_figures
 
-    return training_figures(metrics)
+    return training_figures(training_metrics, evaluation)
+
+
+def close_run(trained_state: TrainState, evaluation: pd.DataFrame, training_metrics: pd.DataFrame,
+              noise_metrics: pd.DataFrame, training_plots: dict[str, Any]) -> None:
+    """Mark the run complete (a rerun of the same configuration is then skipped) and log the summary."""
+    state = _live(trained_state, "close_run")
+    before, after = (evaluation.set_index("stage").loc[s] for s in ("before", "after"))
+    summary = {
+        "steps": f"{state.step}/{state.total_steps}",
+        "pass@1_greedy": [float(before["pass@1_greedy"]), float(after["pass@1_greedy"])],
+        "outputs": "data/08_reporting (training_metrics, evaluation, noise_metrics, training_plots), "
+                   f"data/07_model_output (rollouts), {state.run.path}",
+    }
+    state.run.mark_complete(summary)
+    log.info("run %s finished: held-out greedy pass@1 %.3f -> %.3f (%+.1f points) over %s steps; outputs: %s",
+             state.run.key, *summary["pass@1_greedy"], 100 * (summary["pass@1_greedy"][1] - summary["pass@1_greedy"][0]),
+             summary["steps"], summary["outputs"])
+    del training_metrics, noise_metrics, training_plots  # ordering only: complete once they are saved

@@ -1,0 +1,114 @@
+"""The per-step metrics row, built in one place, with prefixed names.
+
+``rollout/*`` describe the sampling policy (the 4-bit base, live adapter and AQN noise) on the
+step's completions; ``reward/*`` the scores; ``train/*`` the trainer's update on the clean policy;
+``mismatch/*`` the rollout/trainer gap (:func:`qerl.rl.objective.rollout_is_weights`);
+``noise/*``, ``time/*``, ``memory/*`` the rest. The noise controller and the plots read
+``rollout/entropy``; the trainer's own token entropy is ``train/entropy``.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+ROLLOUT_ENTROPY = "rollout/entropy"
+REWARD_MEAN = "reward/mean"
+SIGMA = "noise/sigma"
+
+#: Columns the console line shows, in order, with their formats.
+CONSOLE = (
+    (REWARD_MEAN, "reward {:.3f}"), (ROLLOUT_ENTROPY, "entropy {:.3f}"), (SIGMA, "sigma {:.1e}"),
+    ("rollout/tokens_per_s", "tok/s {:.0f}"), ("train/loss", "loss {:+.4f}"), ("mismatch/kl", "mismatch kl {:.1e}"),
+    ("mismatch/is_weight_mean", "is w {:.3f}"),
+)
+
+
+def group_size(scored: pd.DataFrame) -> int:
+    """Samples per prompt, from the sample index (a step may draw the same prompt twice)."""
+    if "sample" in scored and len(scored):
+        return int(scored["sample"].max()) + 1
+    counts = scored.groupby("prompt_id", sort=False).size()
+    return int(counts.iloc[0]) if len(counts) else 1
+
+
+def rollout_metrics(rollouts: pd.DataFrame) -> dict[str, Any]:
+    """``rollout/*``, ``noise/*`` and ``time/generate`` of a rollouts table."""
+    gen_s = float(rollouts["generate_seconds"].iloc[0])
+    n_tok = int(rollouts["completion_tokens"].sum())
+    ent = rollouts["mean_entropy"]
+    return {
+        "step": int(rollouts["step"].iloc[0]),
+        SIGMA: float(rollouts["sigma"].iloc[0]),
+        "noise/changed_fraction": float(rollouts.get("noise_changed_fraction", pd.Series([0.0])).iloc[0]),
+        ROLLOUT_ENTROPY: float(np.nanmean(ent)) if ent.notna().any() else float("nan"),
+        "rollout/completion_len_mean": float(rollouts["completion_tokens"].mean()),
+        "rollout/completion_len_max": int(rollouts["completion_tokens"].max()),
+        "rollout/truncated_ratio": float(rollouts["truncated"].mean()),
+        "rollout/tokens": n_tok,
+        "rollout/tokens_per_s": n_tok / gen_s if gen_s > 0 else float("nan"),
+        "rollout/prompts_truncated": int(rollouts["prompts_truncated"].iloc[0]),
+        "rollout/prompts_dropped": int(rollouts["prompts_dropped"].iloc[0]),
+        "time/generate": gen_s,
+    }
+
+
+def reward_metrics(scored: pd.DataFrame) -> dict[str, Any]:
+    """``reward/*`` and ``time/score`` of a scored rollouts table."""
+    g = group_size(scored)
+    rewards = torch.tensor(scored["reward"].to_numpy(), dtype=torch.float32)
+    groups = rewards.view(-1, g) if len(rewards) % g == 0 else rewards.view(1, -1)
+    m: dict[str, Any] = {
+        REWARD_MEAN: float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "reward/zero_std_group_frac": float((groups.std(dim=1) == 0).float().mean()) if groups.shape[1] > 1 else 1.0,
+        "reward/errors": int(scored["reward_errors"].iloc[0]),
+        "reward/groups_kept": int(scored["kept"].sum()) // max(1, g),
+        "time/score": float(scored["score_seconds"].iloc[0]),
+    }
+    for col in scored.columns:
+        if col.startswith("reward_") and col != "reward_errors":
+            vals = pd.to_numeric(scored[col], errors="coerce")
+            m[f"reward/{col[len('reward_'):]}"] = float(vals.mean()) if vals.notna().any() else float("nan")
+    return m
+
+
+def step_row(scored: pd.DataFrame, update: dict[str, float], update_seconds: float, device: torch.device) -> dict[str, Any]:
+    """The step's whole metrics row: rollout, reward, update (``train/*``, ``mismatch/*``), time, memory."""
+    row = {**rollout_metrics(scored), **reward_metrics(scored)}
+    row.update(update)
+    row["time/update"] = update_seconds
+    row["time/step"] = row["time/generate"] + row["time/score"] + update_seconds
+    row["memory/peak_gib"] = peak_memory_gib(device)
+    return row
+
+
+def mean_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean over minibatch statistics (keys present in any)."""
+    keys = {k for s in stats for k in s}
+    return {k: float(np.mean([s[k] for s in stats if k in s])) for k in sorted(keys)}
+
+
+def console_line(row: dict[str, Any], total: int, eta_s: float | None = None) -> str:
+    """One line per step: step/total, the CONSOLE columns, and the ETA."""
+    parts = [f"step {row['step']:>4}/{total}"]
+    parts += [fmt.format(row[k]) for k, fmt in CONSOLE if k in row and row[k] == row[k]]
+    if eta_s is not None:
+        parts.append(f"eta {_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory (CUDA) or peak resident set size (CPU), GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _duration(seconds: float) -> str:
+    s = int(max(0, seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
