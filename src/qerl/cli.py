@@ -1,16 +1,16 @@
 """Project commands: Kedro's own ``run``, guarded so that a refusal (bad parameter, missing input,
 corrupt file) prints one line naming the field and the fix instead of a traceback, an unknown
 pipeline name is listed with the close ones, and SIGTERM stops a run as cleanly as Ctrl-C.
-``QERL_DEBUG=1`` shows the traceback; it is also written to the log file (conf/logging.yml).
+The traceback of a refusal goes to ``data/09_logs/last_error.log``; ``QERL_DEBUG=1`` prints it.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -18,7 +18,6 @@ from kedro.framework.cli.project import run as kedro_run
 
 from qerl.errors import QerlConfigError
 
-log = logging.getLogger(__name__)
 
 
 def _sigterm(signum: int, frame: Any) -> None:
@@ -37,6 +36,17 @@ def _user_error(err: BaseException) -> BaseException | None:
             return cur
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+def _keep_traceback(err: BaseException) -> None:
+    """Write the refusal's traceback to data/09_logs/last_error.log (when run in a project)."""
+    import traceback
+
+    if not Path("conf").is_dir():
+        return
+    path = Path("data/09_logs/last_error.log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(err)))
 
 
 def check_pipeline_names(names: list[str]) -> None:
@@ -64,8 +74,8 @@ def _guarded(command: click.Command) -> click.Command:
             refusal = _user_error(err)
             if refusal is None or os.environ.get("QERL_DEBUG"):
                 raise
-            log.debug("refused", exc_info=err)
             click.secho(f"Error: {refusal}", fg="red", err=True)
+            _keep_traceback(err)
             sys.exit(2)
 
     return click.Command(name=command.name, params=command.params, callback=callback, help=command.help,

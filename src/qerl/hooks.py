@@ -24,7 +24,7 @@ class QerlHooks:
     @hook_impl
     def after_context_created(self, context: Any) -> None:
         from qerl.atomic import recover
-        from qerl.params import validate_all
+        from qerl.validation import validate_all
 
         validate_all(dict(context.config_loader["parameters"]))  # one clear line on the first bad value
         recover(Path(context.project_path) / "data")
@@ -44,7 +44,8 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # bitsandbytes tries to fetch an optional CPU kernel from the hub; offline it warns. Harmless.
     for pattern in (".*kernels-community.*", ".*register_new_resolver.*", ".*--pipeline.*deprecated.*",
-                    ".*torch_dtype.*is deprecated.*", ".*gemv_4bit.*", ".*MatMul8bitLt.*"):
+                    ".*torch_dtype.*is deprecated.*", ".*gemv_4bit.*", ".*MatMul8bitLt.*",
+                    ".*is_gradient_checkpointing.*deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
     try:
         from transformers.utils import logging as hf_logging

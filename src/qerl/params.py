@@ -8,16 +8,15 @@ there is no second settings type and no translation layer. Usable without Kedro:
     from qerl.params import TrainParams
     settings = TrainParams(rl={"steps": 20, "lr": 5e-4})
 
-Errors name the field and the fix: :func:`validate_block` turns a pydantic ``ValidationError`` into
-one :class:`~qerl.errors.QerlConfigError` line (``qerl.rl.steps: ... Fix: ...``).
+Errors name the field and the fix: :func:`qerl.validation.validate_block` turns a pydantic
+``ValidationError`` into one :class:`~qerl.errors.QerlConfigError` line (``qerl.rl.steps: ... Fix: ...``).
 """
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from qerl.errors import QerlConfigError
 from qerl.noise.schedules import SCHEDULES
@@ -37,7 +36,7 @@ RolloutIS = Literal[ROLLOUT_IS_MODES]  # type: ignore[valid-type]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DataParams(_Strict):
@@ -151,6 +150,17 @@ class RewardParams(_Strict):
     )
     on_error: Literal["raise", "zero"] = "raise"
 
+    @model_validator(mode="after")
+    def _buildable(self) -> RewardParams:
+        """Every function exists and accepts its kwargs (built once, thrown away)."""
+        from qerl.rewards.base import build_rewards
+
+        try:
+            build_rewards(self.specs(), "functions")
+        except QerlConfigError as err:
+            raise ValueError(f"@{err.field}: {err.problem}; fix: {err.fix}") from None
+        return self
+
     def specs(self) -> list[dict[str, Any]]:
         """The reward functions as plain dicts (what ``qerl.rewards.build_rewards`` takes)."""
         return [f.model_dump() for f in self.functions]
@@ -161,7 +171,8 @@ class RLParams(_Strict):
 
     ``minibatches``: optimizer steps per generation batch (TRL's steps_per_generation);
     ``micro_batch_tokens``: gradient accumulation inside each (``null``: one pass; ``auto``: sized
-    from the free accelerator memory); the accumulated gradient equals one pass over the union.
+    from the free accelerator memory, or from ``memory_budget_gib`` when set); the accumulated
+    gradient equals one pass over the union.
     ``old_logprobs``: the PPO ratio's denominator, the rollout engine's log-probs (``rollout``) or a
     no-grad trainer forward on the clean policy (``recompute``); ``rollout_is`` corrects the
     rollout/trainer mismatch with a truncated (or masked) importance weight capped at
@@ -181,6 +192,7 @@ class RLParams(_Strict):
     epochs: int = Field(1, ge=1)
     minibatches: int = Field(1, ge=1)
     micro_batch_tokens: int | Literal["auto"] | None = None
+    memory_budget_gib: float | None = Field(None, gt=0)
     old_logprobs: Literal["rollout", "recompute"] = "recompute"
     rollout_is: RolloutIS = "token_truncate"
     rollout_is_cap: float = Field(3.0, gt=1)
@@ -280,13 +292,16 @@ class TrainParams(_Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> TrainParams:
         if self.rollout.group_size < 2 and self.rl.loss_type != "pg_entropy":
-            raise ValueError(
-                "rollout.group_size must be >= 2 for group-normalised advantages "
-                f"(loss_type {self.rl.loss_type!r}); raise it or use rl.loss_type=pg_entropy"
-            )
+            raise ValueError(f"@rollout.group_size: must be >= 2 for group-normalised advantages (loss_type "
+                             f"{self.rl.loss_type!r}); fix: raise it or use rl.loss_type=pg_entropy")
         n = self.rl.prompts_per_step * self.rollout.group_size
         if n % self.rl.minibatches:
-            raise ValueError(f"rl.minibatches={self.rl.minibatches} must divide prompts_per_step*group_size={n}")
+            raise ValueError(f"@rl.minibatches: {self.rl.minibatches} does not divide prompts_per_step x group_size = "
+                             f"{n}; fix: choose a divisor of {n}")
+        if self.rl.rollout_is != "none" and self.rl.old_logprobs != "recompute":
+            raise ValueError(f"@rl.rollout_is: {self.rl.rollout_is} needs rl.old_logprobs=recompute (with the rollout's "
+                             "own log-probs as the old policy the weight is always 1); fix: set rl.old_logprobs: "
+                             "recompute or rl.rollout_is: none")
         return self
 
     def with_updates(self, **blocks: dict[str, Any]) -> TrainParams:
@@ -337,75 +352,8 @@ class ReplayParams(_Strict):
     step: int | None = Field(None, ge=1)
 
 
-BLOCKS: dict[str, type[BaseModel]] = {
-    "data": DataParams,
-    "embedded_model": TinyModelParams,
-    "qerl": TrainParams,
-    "quant_study": StudyParams,
-    "replay": ReplayParams,
-}
-"""Every top-level parameter key the project knows, and its model."""
-
-
-def validate_block(name: str, raw: Any) -> BaseModel:
-    """Validate one top-level block; raise a one-line ``QerlConfigError`` naming the field."""
-    if name not in BLOCKS:
-        close = difflib.get_close_matches(name, BLOCKS, n=2)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
-        raise QerlConfigError(name, "is not a parameter block of this project",
-                              f"{hint}the blocks are {', '.join(BLOCKS)}")
-    model = BLOCKS[name]
-    if isinstance(raw, model):
-        return raw
-    try:
-        return model.model_validate(raw if raw is not None else {})
-    except ValidationError as err:
-        raise config_error(name, err) from None
-
-
-def train_params(raw: Any) -> TrainParams:
-    """The ``qerl`` block as :class:`TrainParams` (a node that needs the whole block takes it as a
-    mapping, whose sub-blocks Kedro has already validated, and calls this)."""
-    return validate_block("qerl", raw)  # type: ignore[return-value]
-
-
-def validate_all(params: dict[str, Any]) -> dict[str, BaseModel]:
-    """Validate every top-level block of a parameters mapping (unknown keys refused)."""
-    return {name: validate_block(name, raw) for name, raw in params.items()}
-
-
-def config_error(prefix: str, err: ValidationError) -> QerlConfigError:
-    """The first error of a pydantic ``ValidationError`` as one ``QerlConfigError`` line."""
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in (prefix, *e.get("loc", ())) if p != "__root__")
-    kind = e.get("type", "")
-    if kind == "extra_forbidden":
-        parent, _, key = loc.rpartition(".")
-        known = _known_fields(prefix, e.get("loc", ())[:-1])
-        close = difflib.get_close_matches(key, known, n=2)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
-        return QerlConfigError(loc, "is not a known setting",
-                               f"{hint}{parent or prefix} accepts {', '.join(known)}")
-    got = e.get("input")
-    msg = e.get("msg", "invalid value").removeprefix("Value error, ")
-    problem = msg if kind.startswith("value_error") or isinstance(got, dict) else f"{msg}, got {got!r}"
-    return QerlConfigError(loc, problem, f"change {loc} in conf/ or --params "
-                           f"(documented in conf/base/parameters_*.yml)")
-
-
-def _known_fields(prefix: str, loc: tuple[Any, ...]) -> list[str]:
-    model: Any = BLOCKS.get(prefix)
-    for part in loc:
-        if model is None or isinstance(part, int):
-            continue
-        field = model.model_fields.get(part)
-        ann = getattr(field, "annotation", None)
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-    return sorted(model.model_fields) if model is not None else []
-
-
 __all__ = [
-    "BLOCKS", "DataParams", "EvalParams", "LoraParams", "ModelParams", "NoiseParams", "QuantParams", "RLParams",
+    "DataParams", "EvalParams", "LoraParams", "ModelParams", "NoiseParams", "QuantParams", "RLParams",
     "ReplayParams", "ReportParams", "RewardParams", "RolloutParams", "StudyParams", "TaskParams", "TinyModelParams",
-    "TrainParams", "VariantParams", "config_error", "train_params", "validate_all", "validate_block",
+    "TrainParams", "VariantParams",
 ]

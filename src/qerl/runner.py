@@ -92,7 +92,7 @@ class LoopRunner(SequentialRunner):
     def _finished_run(pipeline: Pipeline, catalog: Any) -> tuple[str | None, dict[str, dict[str, Any]]]:
         """('run <key> is complete (...)' or None, {producer node: its outputs}): the training prompts
         are computed in memory (their node's outputs are returned, so it need not run again)."""
-        from qerl.params import train_params
+        from qerl.validation import train_params
 
         producers = [n for n in pipeline.nodes if "train_prompts" in n.outputs]
         if len(producers) != 1 or any(name not in catalog for name in RUN_INPUTS[1:]):

@@ -1,170 +1,141 @@
-"""The custom Kedro datasets of the training pipeline: step tables, training state, policy, HF model."""
+"""The custom Kedro datasets: per-step tables, the training-state hand-off, the checkpoint root, the
+policy, HF model directories, and the atomic versioned tables and plots."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 import torch
 from kedro.io.core import DatasetError, Version
 
 from qerl.datasets import (
-    SKIPPED,
+    CheckpointStoreDataset,
+    CSVTable,
+    FiguresDataset,
     HFModelDataset,
+    ParquetTable,
     PolicyDataset,
-    StepTableDataset,
+    ReplayHandle,
+    StepTablesDataset,
     TrainStateDataset,
-    is_skipped,
 )
-from qerl.train.state import TrainState, save_checkpoint
+from qerl.train.checkpoints import CheckpointStore
 
 torch.set_num_threads(1)
 
 V1, V2 = "2024-01-01T00.00.00.000Z", "2024-01-02T00.00.00.000Z"
 
 
-def _table(n: int = 3, tag: str = "a") -> pd.DataFrame:
-    return pd.DataFrame(
-        {"step": [1] * n, "completion": [f"{tag}{i}" for i in range(n)], "ids": [[i, i + 1] for i in range(n)]}
-    )
+def _table(step: int = 1, run: str = "r/fp1", n: int = 3, tag: str = "a", replay: bool = False) -> pd.DataFrame:
+    return pd.DataFrame({"run": run, "step": step, "completion": [f"{tag}{i}" for i in range(n)],
+                         "ids": [[i, i + 1] for i in range(n)], "replay": replay})
 
 
 def _no_partials(root: Path) -> bool:
     return not any(p.name.startswith((".partial-", ".old-")) for p in root.rglob("*"))
 
 
-# ------------------------------------------------------------------ StepTableDataset
+# ------------------------------------------------------------------ StepTablesDataset
 
 
-def test_step_table_versions(tmp_path: Path) -> None:
-    fp = str(tmp_path / "rollouts.parquet")
-    StepTableDataset(filepath=fp, version=Version(None, V1)).save(_table(tag="a"))
-    StepTableDataset(filepath=fp, version=Version(None, V2)).save(_table(tag="b"))
-    ds = StepTableDataset(filepath=fp, version=Version(None, None))
-    assert ds.list_versions() == [V2, V1]
-    assert ds.list_versions(full_path=True) == [f"{fp}/{V2}/rollouts.parquet", f"{fp}/{V1}/rollouts.parquet"]
-    assert (tmp_path / "rollouts.parquet" / V1 / "rollouts.parquet").is_file()
-    assert ds.exists()
-
-    newest = ds.load()
-    assert list(newest["completion"]) == ["b0", "b1", "b2"]
-    assert [list(x) for x in newest["ids"]] == [[0, 1], [1, 2], [2, 3]]
-    pinned = StepTableDataset(filepath=fp, version=Version(V1, None)).load()
-    assert list(pinned["completion"]) == ["a0", "a1", "a2"]
-    assert _no_partials(tmp_path)
-
-    with pytest.raises(DatasetError, match="must not exist"):
-        StepTableDataset(filepath=fp, version=Version(None, V1)).save(_table())
-
-
-def test_step_table_unversioned_round_trip(tmp_path: Path) -> None:
-    ds = StepTableDataset(filepath=str(tmp_path / "t.parquet"))
-    assert not ds.exists()
-    ds.save(_table())
-    pd.testing.assert_frame_equal(ds.load().drop(columns="ids"), _table().drop(columns="ids"))
-    assert ds.list_versions() == []
-
-
-def test_step_table_skipped_is_not_written(tmp_path: Path) -> None:
-    fp = str(tmp_path / "scored.parquet")
-    ds = StepTableDataset(filepath=fp, version=Version(None, V1))
-    ds.save(SKIPPED)
-    assert not (tmp_path / "scored.parquet").exists()
-    back = ds.load()
-    assert is_skipped(back) and back is SKIPPED
-    assert ds.list_versions() == []
-    assert not is_skipped(_table()) and not is_skipped(None)
-    # a real save after a skip is written and loads back for real
-    ds.save(_table(tag="z"))
-    assert list(ds.load()["completion"]) == ["z0", "z1", "z2"]
-    # another process (a fresh dataset object) never sees the skip marker
-    with pytest.raises(DatasetError, match=r"kedro run --pipeline=qerl_train"):
-        StepTableDataset(filepath=str(tmp_path / "other.parquet"), version=Version(None, None)).load()
-
-
-def test_step_table_missing_version_names_the_pipeline(tmp_path: Path) -> None:
-    ds = StepTableDataset(filepath=str(tmp_path / "r.parquet"), version=Version(None, None))
-    assert not ds.exists()
-    with pytest.raises(DatasetError, match=r"`kedro run --pipeline=qerl_train`"):
+def test_step_tables_hand_off_then_training_record(tmp_path: Path) -> None:
+    ds = StepTablesDataset(path=str(tmp_path / "rollouts"))
+    with pytest.raises(DatasetError, match="kedro run --pipelines=qerl_train"):
         ds.load()
-    pinned = StepTableDataset(filepath=str(tmp_path / "r.parquet"), version=Version(V1, None))
-    with pytest.raises(DatasetError, match=r"kedro run --pipeline=qerl_train"):
-        pinned.load()
-    other = StepTableDataset(filepath=str(tmp_path / "r.parquet"), version=Version(None, None), producer="eval")
-    with pytest.raises(DatasetError, match=r"kedro run --pipeline=eval"):
-        other.load()
+    for step in (1, 2):
+        ds.save(_table(step, tag=f"s{step}-"))
+        assert ds.load()["step"].iloc[0] == step  # within a run: the table just saved
+    ds.save(_table(2, tag="replayed-", replay=True))
+    assert _no_partials(tmp_path)
+    files = sorted(p.name for p in (tmp_path / "rollouts" / "r" / "fp1" / "step_000002").iterdir())
+    assert len(files) == 2 and files[1].endswith(".replay.parquet")
+    fresh = StepTablesDataset(path=str(tmp_path / "rollouts"))  # a notebook: the training record
+    record = fresh.load()
+    assert list(record["step"]) == [1] * 3 + [2] * 3 and not record["completion"].str.startswith("replayed").any()
+    replays = StepTablesDataset(path=str(tmp_path / "rollouts"), load_args={"replays": True}).load()
+    assert list(replays["completion"]) == ["replayed-0", "replayed-1", "replayed-2"]
+    fresh.save(_table(1, run="other/fp9", tag="o"))
+    assert fresh.runs()[-1] == "other/fp9" and fresh.read("r/fp1", 1)["completion"].iloc[0] == "s1-0"
+    pinned = StepTablesDataset(path=str(tmp_path / "rollouts"), load_args={"run": "r/fp1"})
+    assert set(pinned.load()["step"]) == {1, 2}
+    with pytest.raises(DatasetError, match="exactly one 'step'"):
+        fresh.save(pd.concat([_table(1), _table(2)]))
 
 
-def test_step_table_failed_write_leaves_no_file(tmp_path: Path, monkeypatch) -> None:
+def test_step_tables_failed_write_leaves_no_file(tmp_path: Path, monkeypatch) -> None:
+    ds = StepTablesDataset(path=str(tmp_path / "t"))
+    ds.save(_table(1))
+
     def boom(self, *a, **k):
         raise OSError("disk full")
 
     monkeypatch.setattr(pd.DataFrame, "to_parquet", boom)
-    ds = StepTableDataset(filepath=str(tmp_path / "r.parquet"), version=Version(None, V1))
-    with pytest.raises(DatasetError, match="disk full"):  # Kedro wraps the error of save()
-        ds.save(_table())
-    assert not (tmp_path / "r.parquet" / V1 / "r.parquet").exists()
-    assert _no_partials(tmp_path)
-    assert ds.list_versions() == []
+    with pytest.raises(DatasetError, match="disk full"):
+        ds.save(_table(2))
+    assert _no_partials(tmp_path) and StepTablesDataset(path=str(tmp_path / "t")).steps("r/fp1") == [1]
 
 
-# ------------------------------------------------------------------ TrainStateDataset
+# ------------------------------------------------------------------ training state and checkpoints
 
 
-def _checkpoint(root: Path, step: int, run: str = "run", fp: str = "fp") -> dict[str, torch.Tensor]:
-    adapter = {"layer.lora_A.weight": torch.full((2, 3), float(step)), "layer.lora_B.weight": torch.ones(3, 2)}
-    st = TrainState(run_name=run, fingerprint=fp, total_steps=9, save_every=1, step=step,
-                    history=[{"step": s, "reward_mean": s / 10} for s in range(1, step + 1)], noise=None)
-    save_checkpoint(st, adapter, root)
-    return adapter
-
-
-def test_train_state_dataset_resident_identity(tmp_path: Path) -> None:
-    ds = TrainStateDataset(checkpoint_root=str(tmp_path))
-    st = TrainState(run_name="r", fingerprint="f", total_steps=3, save_every=1)
-    ds.save(st)
-    assert ds.load() is st and ds.load() is st
-    st.step = 2  # mutations are visible: no copy
-    assert ds.load().step == 2
-    assert ds.exists()
+def test_train_state_dataset_resident_or_replay_handle(tmp_path: Path) -> None:
+    ds = TrainStateDataset(checkpoints=str(tmp_path / "ckpt"))
+    handle = ds.load()
+    assert isinstance(handle, ReplayHandle) and handle.store.root == tmp_path / "ckpt" and not handle.resident
+    state = object()
+    ds.save(state)
+    assert ds.load() is state and ds.exists()
     ds.release()
+    assert isinstance(ds.load(), ReplayHandle)
+    store = CheckpointStoreDataset(path=str(tmp_path / "ckpt")).load()
+    assert isinstance(store, CheckpointStore) and store.root == tmp_path / "ckpt"
     with pytest.raises(DatasetError):
-        ds.load()
+        CheckpointStoreDataset(path=str(tmp_path)).save(None)
 
 
-def test_train_state_dataset_falls_back_to_latest_checkpoint(tmp_path: Path) -> None:
-    _checkpoint(tmp_path, 2)
-    latest = _checkpoint(tmp_path, 4)
-    ds = TrainStateDataset(checkpoint_root=str(tmp_path))
-    assert ds.exists()
-    st = ds.load()
-    assert not st.resident and st.step == 4 and (st.run_name, st.fingerprint, st.total_steps) == ("run", "fp", 9)
-    assert st.optimizer is None
-    assert st.adapter is not None and st.adapter.keys() == latest.keys()
-    assert all(torch.equal(st.adapter[k], latest[k]) for k in latest)
-    assert [h["step"] for h in st.history] == [1, 2, 3, 4]
-    assert st.checkpoint_dir == str(tmp_path / "run" / "fp" / "step_000004")
+# ------------------------------------------------------------------ atomic tables and plots
 
 
-def test_train_state_dataset_missing_names_the_pipeline(tmp_path: Path) -> None:
-    ds = TrainStateDataset(checkpoint_root=str(tmp_path / "none"))
-    assert not ds.exists()
-    with pytest.raises(DatasetError, match=r"kedro run --pipeline=qerl_train"):
-        ds.load()
-    # an incomplete checkpoint directory is not a checkpoint
-    (tmp_path / "none" / "run" / "fp" / "step_000001").mkdir(parents=True)
-    with pytest.raises(DatasetError, match=r"kedro run --pipeline=qerl_train"):
-        ds.load()
+@pytest.mark.parametrize("cls,name", [(ParquetTable, "t.parquet"), (CSVTable, "t.csv")])
+def test_tables_write_atomically_and_a_failed_write_keeps_the_newest_version(tmp_path: Path, monkeypatch, cls,
+                                                                           name: str) -> None:
+    df = pd.DataFrame({"a": [1, 2], "b": ["x", "y"]})
+    cls(filepath=str(tmp_path / name), version=Version(None, V1)).save(df)
+    writer = "to_parquet" if cls is ParquetTable else "to_csv"
+
+    def half_then_die(self, path, *a, **k):
+        Path(path).write_bytes(b"PAR1 truncated")
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr(pd.DataFrame, writer, half_then_die)
+    with pytest.raises(DatasetError, match="killed"):
+        cls(filepath=str(tmp_path / name), version=Version(None, V2)).save(df.assign(a=[3, 4]))
+    monkeypatch.undo()
+    assert _no_partials(tmp_path)
+    newest = cls(filepath=str(tmp_path / name), version=Version(None, None)).load()
+    assert list(newest["a"]) == [1, 2]  # the previous version is still the newest and loads
 
 
-# ------------------------------------------------------------------ PolicyDataset
+def test_figures_dataset_saves_pngs_atomically_and_loads_images(tmp_path: Path) -> None:
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    ds = FiguresDataset(filepath=str(tmp_path / "plots"), version=Version(None, V1))
+    ds.save({"curve.png": fig, "other.png": plt.figure()})
+    assert sorted(p.name for p in (tmp_path / "plots" / V1 / "plots").iterdir()) == ["curve.png", "other.png"]
+    images = FiguresDataset(filepath=str(tmp_path / "plots"), version=Version(None, None)).load()
+    assert sorted(images) == ["curve.png", "other.png"] and images["curve.png"].size[0] > 100
+    assert _no_partials(tmp_path)
 
 
 def _policy(tiny_model_dir: Path, fmt: str = "nvfp4"):
-    from qerl.train.policy import PolicySpec, build_policy
+    from qerl.params import LoraParams, ModelParams, QuantParams
+    from qerl.train.policy import build_policy
 
-    return build_policy(PolicySpec(model_path=str(tiny_model_dir), format=fmt, device="cpu", lora={"r": 4, "alpha": 8}))[0]
+    return build_policy(ModelParams(path=str(tiny_model_dir), device="cpu"), QuantParams(format=fmt),
+                        LoraParams(r=4, alpha=8))[0]
 
 
 def test_policy_dataset_resident_then_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -173,13 +144,13 @@ def test_policy_dataset_resident_then_disk(tiny_model_dir: Path, tmp_path: Path)
     ds = PolicyDataset(path=str(path))
     ds.save(policy)
     assert ds.load() is policy and ds.load() is policy
-    assert (path / "spec.json").is_file() and (path / "base" / "model.safetensors").is_file()
+    assert (path / "policy.json").is_file() and (path / "base" / "model.safetensors").is_file()
     assert _no_partials(tmp_path)
 
     rebuilt = PolicyDataset(path=str(path))
     assert rebuilt.exists()
     other = rebuilt.load()
-    assert other is not policy and other.spec == policy.spec
+    assert other is not policy and other.identity() == policy.identity()
     assert rebuilt.load() is other  # resident after the first load
     a = {k: v for k, v in policy.model.state_dict().items() if "lora_" not in k}
     b = {k: v for k, v in other.model.state_dict().items() if "lora_" not in k}
@@ -189,7 +160,7 @@ def test_policy_dataset_resident_then_disk(tiny_model_dir: Path, tmp_path: Path)
 def test_policy_dataset_no_persist_and_missing(tiny_model_dir: Path, tmp_path: Path) -> None:
     ds = PolicyDataset(path=str(tmp_path / "p"), persist=False)
     assert not ds.exists()
-    with pytest.raises(DatasetError, match=r"kedro run --pipeline=qerl_train"):
+    with pytest.raises(DatasetError, match=r"kedro run --pipelines=qerl_train"):
         ds.load()
     policy = _policy(tiny_model_dir, "none")
     ds.save(policy)

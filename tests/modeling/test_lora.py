@@ -9,8 +9,11 @@ import torch
 
 from qerl.errors import QerlConfigError
 from qerl.modeling.loader import load_policy_base
-from qerl.modeling.lora import ALL_PROJECTIONS, LoraSettings, apply_lora, check_lora_targets
+from qerl.modeling.lora import apply_lora, check_lora_targets, to_peft_config
+from qerl.params import ALL_PROJECTIONS
+from qerl.params import LoraParams as LoraSettings
 from qerl.quant.linear import quant_report
+from qerl.validation import validate_block
 
 torch.set_num_threads(1)
 
@@ -42,21 +45,20 @@ def test_settings_presets_and_validation() -> None:
     default = LoraSettings()
     assert (default.r, default.alpha, default.dropout, default.bias) == (16, 32, 0.0, "none")
     assert default.target_modules == ALL_PROJECTIONS and len(ALL_PROJECTIONS) == 7
-    paper = LoraSettings.paper()
+    paper = LoraSettings(preset="paper", r=4)
     assert (paper.r, paper.alpha, paper.target_modules) == (32, 64, ALL_PROJECTIONS)
     assert LoraSettings(target_modules=["q_proj"]).target_modules == ("q_proj",)
-    cfg = paper.to_peft_config()
+    cfg = to_peft_config(paper)
     assert (cfg.r, cfg.lora_alpha, set(cfg.target_modules)) == (32, 64, set(ALL_PROJECTIONS))
     for kwargs, field in [
-        ({"r": 0}, "lora.r"),
-        ({"alpha": 0}, "lora.alpha"),
-        ({"dropout": 1.0}, "lora.dropout"),
-        ({"target_modules": []}, "lora.target_modules"),
-        ({"target_modules": "q_proj"}, "lora.target_modules"),
-        ({"bias": "some"}, "lora.bias"),
+        ({"r": 0}, "qerl.lora.r"),
+        ({"alpha": 0}, "qerl.lora.alpha"),
+        ({"dropout": 1.0}, "qerl.lora.dropout"),
+        ({"target_modules": []}, "qerl.lora.target_modules"),
+        ({"bias": "some"}, "qerl.lora.bias"),
     ]:
         with pytest.raises(QerlConfigError) as info:
-            LoraSettings(**kwargs)  # type: ignore[arg-type]
+            validate_block("qerl", {"lora": kwargs})
         assert info.value.field == field
 
 

@@ -7,15 +7,17 @@ import math
 import pytest
 
 from qerl.errors import QerlConfigError
-from qerl.noise.controller import ControllerConfig, EntropyFeedbackController
+from qerl.noise.controller import EntropyFeedbackController
 from qerl.noise.schedules import (
     SHAPES,
-    NoiseConfig,
     NoiseSchedule,
     NoNoise,
     StagedSchedule,
     build_schedule,
 )
+from qerl.params import ControllerParams as ControllerConfig
+from qerl.params import NoiseParams as NoiseConfig
+from qerl.validation import validate_block
 
 DECAYING = ("exponential", "linear", "cosine", "logarithmic")
 
@@ -74,8 +76,8 @@ def test_two_stages_and_constant_and_none():
 ])
 def test_config_validation(kwargs, field):
     with pytest.raises(QerlConfigError) as err:
-        NoiseConfig(**kwargs).validate()
-    assert err.value.field == field
+        validate_block("qerl", {"noise": kwargs})
+    assert err.value.field.startswith(f"qerl.{field.rsplit('.', 1)[0]}"), err.value
 
 
 def test_build_schedule():

@@ -18,9 +18,9 @@ from qerl.rewards.base import (
     build_reward,
     build_rewards,
     extract_answer,
-    score_completions,
 )
 from qerl.rewards.builtin import score_reasoning_gym
+from qerl.rewards.scoring import score_completions
 
 
 def _one(name: str, completions: list[Any], **kwargs: Any) -> list[float | None]:

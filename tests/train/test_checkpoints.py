@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import math
-import pickle
 from pathlib import Path
 
 import pandas as pd

@@ -1,5 +1,5 @@
-"""Typed training parameters and the up-front validation of ``setup_quantized_policy``:
-every bad setting must fail with its field name before any model is loaded."""
+"""The settings model: defaults equal conf/base, every bad value refused with its field and a fix,
+before any model is loaded."""
 
 from __future__ import annotations
 
@@ -7,103 +7,100 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 import qerl.train.policy as policy_mod
 from qerl.errors import QerlConfigError
 from qerl.params import TrainParams
-from qerl.pipelines.qerl_train import nodes
-from qerl.pipelines.qerl_train.nodes import (
-    run_fingerprint,
-    setup_quantized_policy,
-    validate_train_params,
-)
+from qerl.pipelines.qerl_train.nodes import setup_quantized_policy
+from qerl.validation import BLOCKS, validate_all, validate_block
 
-REWARDS = {"functions": [{"name": "exact_match"}]}
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _params(**over: Any) -> TrainParams:
-    raw: dict[str, Any] = {"rewards": REWARDS, "rl": {"steps": 4, "prompts_per_step": 2}, "rollout": {"group_size": 4}}
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict):
-            raw[key] = {**raw[key], **value}
-        else:
-            raw[key] = value
-    return TrainParams.model_validate(raw)
+def _conf(env: str = "base") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in sorted((ROOT / "conf" / env).glob("parameters*.yml")):
+        out.update(yaml.safe_load(f.read_text()) or {})
+    return out
 
 
-def test_defaults_validate() -> None:
-    p = _params()
-    assert p.quant.format == "nvfp4" and p.rl.loss_type == "dapo" and p.rollout.group_size == 4
-    validate_train_params(p, n_rounds=4)
+def _tuples_to_lists(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _tuples_to_lists(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_tuples_to_lists(v) for v in x]
+    return x
+
+
+@pytest.mark.parametrize("block", ["qerl", "data", "replay"])
+def test_model_defaults_are_the_conf_base_values(block: str) -> None:
+    """conf/base documents the defaults; the model holds them: they may never drift apart."""
+    conf = _conf()[block]
+    assert _tuples_to_lists(BLOCKS[block]().model_dump(mode="json")) == _tuples_to_lists(
+        BLOCKS[block].model_validate(conf).model_dump(mode="json"))
+    assert _tuples_to_lists(BLOCKS[block].model_validate(conf).model_dump(mode="json")) == _tuples_to_lists(
+        BLOCKS[block]().model_dump(mode="json"))
+
+
+@pytest.mark.parametrize("env", ["base", "gpu_paper"])
+def test_every_shipped_configuration_validates(env: str) -> None:
+    merged = _conf("base")
+    for key, value in _conf(env).items():
+        merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+    validated = validate_all(merged)
+    assert set(validated) == set(merged) <= set(BLOCKS)
 
 
 @pytest.mark.parametrize(
-    "over,needle",
+    "raw,field,needle",
     [
-        ({"quant": {"format": "int3"}}, "quant.format"),
-        ({"quant": {"fromat": "nvfp4"}}, "fromat"),
-        ({"rl": {"stpes": 3}}, "stpes"),
-        ({"surprise": 1}, "surprise"),
-        ({"rewards": {"functions": [{"name": "format"}], "extra": 1}}, "extra"),
-        ({"rollout": {"group_size": 1}}, "group_size"),
-        ({"rl": {"minibatches": 3}}, "minibatches"),
-        ({"rollout": {"temperature": 0}}, "temperature"),
-        ({"report": {"formats": ["nvfp4", "int2"]}}, "report.formats"),
+        ({"quant": {"format": "int3"}}, "qerl.quant.format", "'nvfp4' or 'mxfp4'"),
+        ({"quant": {"fromat": "nvfp4"}}, "qerl.quant.fromat", "did you mean format"),
+        ({"rl": {"stpes": 3}}, "qerl.rl.stpes", "did you mean steps"),
+        ({"rl": {"steps": "abc"}}, "qerl.rl.steps", "valid integer"),
+        ({"rl": {"lr": -1}}, "qerl.rl.lr", "greater than 0"),
+        ({"surprise": 1}, "qerl.surprise", "not a known setting"),
+        ({"rollout": {"group_size": 1}}, "qerl.rollout.group_size", "pg_entropy"),
+        ({"rl": {"minibatches": 3}}, "qerl.rl.minibatches", "divisor of 128"),
+        ({"rollout": {"temperature": 0}}, "qerl.rollout.temperature", "greater than 0"),
+        ({"report": {"formats": ["nvfp4", "int2"]}}, "qerl.report.formats.1", "'nvfp4'"),
+        ({"rl": {"loss_type": "ppo2"}}, "qerl.rl.loss_type", "'dapo'"),
+        ({"noise": {"schedule": "zigzag"}}, "qerl.noise.schedule", "'exponential'"),
+        ({"noise": {"stages": 1}}, "qerl.noise.stages", "greater than or equal to 2"),
+        ({"noise": {"sigma_end": 0}}, "qerl.noise", "exponential"),
+        ({"noise": {"controller": {"sigma_min": 0.1, "sigma_max": 0.01}}}, "qerl.noise.controller", "below sigma_min"),
+        ({"rl": {"old_logprobs": "rollout"}}, "qerl.rl.rollout_is", "recompute"),
+        ({"rewards": {"functions": [{"name": "exact_match"}, {"name": "no_such_reward"}]}},
+         "qerl.rewards.functions[1].name", "unknown reward"),
+        ({"rewards": {"functions": [{"name": "exact_match", "kwargs": {"nope": 1}}]}},
+         "qerl.rewards.functions[0].kwargs.nope", "not an option"),
+        ({"rl": {"run_name": "a/b"}}, "qerl.rl.run_name", "pattern"),
     ],
 )
-def test_train_params_refuses(over: dict, needle: str) -> None:
-    with pytest.raises(ValidationError) as info:
-        _params(**over)
-    assert needle in str(info.value)
+def test_bad_settings_are_refused_with_field_and_fix(raw: dict, field: str, needle: str) -> None:
+    with pytest.raises(QerlConfigError) as info:
+        validate_block("qerl", raw)
+    assert info.value.field == field, str(info.value)
+    assert needle in str(info.value) and "Fix:" in str(info.value)
 
 
-def test_group_size_one_is_fine_without_group_advantages() -> None:
-    p = _params(rollout={"group_size": 1}, rl={"loss_type": "pg_entropy"})
+def test_unknown_top_level_block_names_the_close_one() -> None:
+    with pytest.raises(QerlConfigError, match="did you mean qerl"):
+        validate_all({"qerll": {"rl": {"steps": 5}}})
+
+
+def test_group_size_one_is_fine_without_group_advantages_and_params_are_frozen() -> None:
+    p = TrainParams(rollout={"group_size": 1}, rl={"loss_type": "pg_entropy"})
     assert p.rollout.group_size == 1
-    assert _params(rl={"minibatches": 4}).rl.minibatches == 4  # 2 prompts * 4 samples = 8
-
-
-def test_params_are_frozen() -> None:
-    p = _params()
     with pytest.raises(ValidationError):
         p.rl.lr = 1.0  # type: ignore[misc]
+    assert TrainParams(lora={"preset": "paper"}).lora.r == 32
+    assert p.with_updates(rl={"seed": 3}).rl.seed == 3 and p.rl.seed == 0
 
 
-@pytest.mark.parametrize(
-    "over,n_rounds,field",
-    [
-        ({"rl": {"loss_type": "ppo2"}}, 4, "rl.loss_type"),
-        ({"noise": {"schedule": "zigzag"}}, 4, "noise.schedule"),
-        ({"noise": {"stages": 1}}, 4, "noise.stages"),
-        ({"rewards": {"functions": [{"name": "exact_match"}, {"name": "no_such_reward"}]}}, 4,
-         "qerl.rewards.functions[1].name"),
-        ({"rewards": {"functions": [{"name": "exact_match", "kwargs": {"nope": 1}}]}}, 4,
-         "qerl.rewards.functions[0].kwargs.nope"),
-        ({}, 5, "qerl.rl.steps"),
-    ],
-)
-def test_setup_validates_everything_before_loading(monkeypatch, over: dict, n_rounds: int, field: str) -> None:
-    loads: list[Any] = []
-
-    def no_load(*args: Any, **kwargs: Any):
-        loads.append(args)
-        raise AssertionError("the model was loaded before the settings were validated")
-
-    monkeypatch.setattr(policy_mod, "load_policy_base", no_load)
-    p = _params(**over)
-    with pytest.raises(QerlConfigError) as info:
-        validate_train_params(p, n_rounds)
-    assert info.value.field == field
-    with pytest.raises(QerlConfigError) as info:
-        setup_quantized_policy(p, n_rounds=n_rounds)
-    assert info.value.field == field
-    assert loads == []
-
-
-def test_setup_reaches_the_loader_with_valid_settings(monkeypatch, tiny_model_dir: Path) -> None:
-    """Control for the test above: with good settings the (patched) loader is what stops it."""
-
+def test_setup_reaches_the_loader_only_with_valid_settings(monkeypatch, tiny_model_dir: Path) -> None:
     class Loaded(Exception):
         pass
 
@@ -114,25 +111,16 @@ def test_setup_reaches_the_loader_with_valid_settings(monkeypatch, tiny_model_di
         raise Loaded
 
     monkeypatch.setattr(policy_mod, "load_policy_base", fake_load)
-    p = _params(model={"path": str(tiny_model_dir), "device": "cpu"}, quant={"format": "mxfp4"})
+    p = TrainParams(model={"path": str(tiny_model_dir), "device": "cpu"}, quant={"format": "mxfp4"})
     with pytest.raises(Loaded):
-        setup_quantized_policy(p, n_rounds=4)
+        setup_quantized_policy(p.model, p.quant, p.lora, p.rl)
     assert seen["path"] == str(tiny_model_dir) and seen["fmt"] == "mxfp4"
     assert seen["skip_modules"] == ("lm_head",) and seen["on_indivisible"] == "skip"
 
 
 def test_setup_builds_the_policy_and_report(tiny_model_dir: Path) -> None:
-    p = _params(model={"path": str(tiny_model_dir), "device": "cpu"}, lora={"r": 4, "alpha": 8})
-    policy, report = setup_quantized_policy(p, n_rounds=4)
-    assert policy.spec.format == "nvfp4" and policy.spec == nodes.policy_spec(p)
-    assert (policy.spec.lora["r"], policy.spec.lora["alpha"]) == (4, 8) and "preset" not in policy.spec.lora
-    assert len(report) == 2 * 7 + 1 and "name" in report.columns  # 14 projections + lm_head
+    p = TrainParams(model={"path": str(tiny_model_dir), "device": "cpu"}, lora={"r": 4, "alpha": 8})
+    policy, report = setup_quantized_policy(p.model, p.quant, p.lora, p.rl)
+    assert policy.format == "nvfp4" and (policy.lora.r, policy.lora.alpha) == (4, 8)
+    assert len(report) == 2 * 7 + 1 and "name" in report.columns
     assert len(policy.lora_parameters()) == 2 * 7 * 2
-
-
-def test_run_fingerprint_ignores_bookkeeping_only() -> None:
-    base = run_fingerprint(_params())
-    assert run_fingerprint(_params(rl={"save_every": 3, "resume": "never", "max_bad_steps": 9})) == base
-    assert run_fingerprint(_params(eval={"k": 2})) == base
-    assert run_fingerprint(_params(rl={"lr": 2e-5})) != base
-    assert run_fingerprint(_params(quant={"format": "mxfp4"})) != base

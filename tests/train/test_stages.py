@@ -28,7 +28,13 @@ from qerl.train.generate import encode_prompts, rollout_step, select_prompts
 from qerl.train.score import score_step
 from qerl.train.seeds import generator
 from qerl.train.state import TrainState, build_optimizer, build_scheduler
-from qerl.train.update import NonFiniteError, completion_logprobs, make_batch, micro_batches, update_step
+from qerl.train.update import (
+    NonFiniteError,
+    completion_logprobs,
+    make_batch,
+    micro_batches,
+    update_step,
+)
 
 PROMPT_IDS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [3]]
 

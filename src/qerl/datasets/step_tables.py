@@ -77,7 +77,9 @@ class StepTablesDataset(AbstractDataset[pd.DataFrame, pd.DataFrame]):
         return runs[-1]
 
     def steps(self, run: str) -> list[int]:
-        return sorted(int(p.name[5:]) for p in (Path(self._path) / run).glob("step_*") if p.is_dir())
+        """Steps of ``run`` with at least one complete table."""
+        return sorted(int(p.name[5:]) for p in (Path(self._path) / run).glob("step_*")
+                      if p.is_dir() and any(not f.name.startswith(".") for f in p.glob("*.parquet")))
 
     def read(self, run: str, step: int, replays: bool = False) -> pd.DataFrame | None:
         """The newest training (or replay) version of ``step`` of ``run``, or None."""

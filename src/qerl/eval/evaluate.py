@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from qerl.rewards.base import build_reward, score_completions
+from qerl.rewards.base import build_reward
+from qerl.rewards.scoring import score_completions
 from qerl.rollout.base import RolloutEngine, SamplingParams
 from qerl.train.policy import Policy
 

@@ -38,11 +38,7 @@ class EntropyFeedbackController:
         cfg: bounds and gains (``noise.controller``, validated by the settings model).
     """
 
-    def __init__(self, sigma_init: float, cfg: ControllerParams | None = None) -> None:
-        if cfg is None:
-            from qerl.params import ControllerParams
-
-            cfg = ControllerParams()
+    def __init__(self, sigma_init: float, cfg: ControllerParams) -> None:
         self.cfg = cfg
         if not isinstance(sigma_init, (int, float)) or not math.isfinite(sigma_init) \
                 or sigma_init < 0:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from qerl.rewards.base import build_rewards, score_completions
+from qerl.rewards.base import build_rewards
+from qerl.rewards.scoring import score_completions
 from qerl.rl.objective import dynamic_sampling_mask, group_advantages
 from qerl.train.metrics import group_size
 

@@ -134,9 +134,10 @@ def micro_batches(index: list[int], lengths: list[int], max_tokens: int | None) 
 
 
 def micro_batch_tokens(policy: Policy, rl: RLParams) -> int | None:
-    """``rl.micro_batch_tokens``, with ``auto`` sized from the free accelerator memory: activations
-    per token are estimated from the model's shape (checkpointed layer inputs, or every layer's
-    intermediates without checkpointing) and 60 % of the free memory is used."""
+    """``rl.micro_batch_tokens``, with ``auto`` sized from the free accelerator memory (or what
+    ``rl.memory_budget_gib`` leaves above the memory in use): activations per token are estimated from
+    the model's shape (checkpointed layer inputs, or every layer's intermediates without
+    checkpointing) and 60 % of that memory is used."""
     v = rl.micro_batch_tokens
     if v != "auto":
         return v
@@ -148,6 +149,8 @@ def micro_batch_tokens(policy: Policy, rl: RLParams) -> int | None:
     one_layer = (12 * h + 4 * inter) * bytes_el
     per_token = layers * h * bytes_el + one_layer if rl.gradient_checkpointing else layers * one_layer
     free, _ = torch.cuda.mem_get_info(policy.device)
+    if rl.memory_budget_gib is not None:
+        free = min(free, rl.memory_budget_gib * 2**30 - torch.cuda.memory_allocated(policy.device))
     return max(256, int(0.6 * free / per_token))
 
 

@@ -24,7 +24,6 @@ from qerl.params import (
     RewardParams,
     RLParams,
     RolloutParams,
-    train_params,
 )
 from qerl.train import loop
 from qerl.train.checkpoints import CheckpointStore
@@ -33,6 +32,7 @@ from qerl.train.score import score_step
 from qerl.train.seeds import derive_seed
 from qerl.train.state import TrainState
 from qerl.train.update import update_step
+from qerl.validation import train_params
 
 log = logging.getLogger(__name__)
 

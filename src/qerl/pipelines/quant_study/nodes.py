@@ -15,12 +15,13 @@ import pandas as pd
 from qerl.eval.evaluate import evaluation_table
 from qerl.eval.noise_report import noise_report
 from qerl.noise.param_noise import add_matched_weight_noise_
-from qerl.params import StudyParams, TrainParams, VariantParams, train_params
+from qerl.params import StudyParams, TrainParams, VariantParams
 from qerl.study.summary import curves_figure, final_accuracy_figure, per_run_rows, summary_table
 from qerl.train.checkpoints import CheckpointStore
 from qerl.train.loop import metrics_table, train
 from qerl.train.metrics import REWARD_MEAN, ROLLOUT_ENTROPY
 from qerl.train.policy import build_policy_for
+from qerl.validation import train_params
 
 log = logging.getLogger(__name__)
 
