@@ -1,5 +1,6 @@
-"""Quantizing while a sharded checkpoint streams: same bits as the unsharded one, and at most one
-full-precision Linear weight alive at any quantization step (counted through the GC)."""
+"""Quantizing one layer at a time, while a sharded checkpoint streams or a random model is built:
+the same bits as the unsharded checkpoint, and at most one full-precision Linear weight alive at
+any quantization step (counted through the GC)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from qerl.modeling.loader import load_policy_base
+from qerl.modeling.random_init import build_random_policy_base
 from qerl.quant.linear import QuantLinear
 
 torch.set_num_threads(1)
@@ -139,3 +141,25 @@ def test_one_full_precision_layer_weight_alive_at_a_time(
         sum(type(m) is not nn.Linear for n, m in model.named_modules() if n.endswith("_proj"))
         == n_linear
     )
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_random_build_draws_and_quantizes_one_layer_at_a_time(
+    model_dirs: tuple[Path, Path],
+    count_at_quantization: Callable[[set[tuple[int, int]]], list[int]],
+    fmt: str,
+) -> None:
+    if fmt == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from transformers import AutoConfig
+
+    single, _ = model_dirs
+    shapes = _linear_shapes(single)
+    gc.collect()
+    counts = count_at_quantization(shapes)
+    model = build_random_policy_base(AutoConfig.from_pretrained(single), fmt, "cpu", torch.float32)
+    assert len(counts) == 2 * 7
+    assert max(counts) == 1, counts
+    assert live_float_weights(shapes) == 0
+    assert isinstance(model.model.layers[1].mlp.down_proj, nn.Linear)  # QuantLinear / Linear4bit
+    assert type(model.model.layers[1].mlp.down_proj) is not nn.Linear

@@ -62,6 +62,7 @@ from qerl.quant.linear import (
 
 __all__ = [
     "QUANT_FORMATS",
+    "check_quant_format",
     "keep_bnb_weights_trainable",
     "load_policy_base",
     "load_quantized",
@@ -73,7 +74,8 @@ __all__ = [
 Report = list[dict[str, object]]
 
 
-def _validate_format(fmt: str) -> None:
+def check_quant_format(fmt: str) -> None:
+    """Refuse an unknown ``quant.format``, listing the known ones."""
     if fmt not in QUANT_FORMATS:
         raise QerlConfigError(
             "quant.format",
@@ -118,7 +120,7 @@ def load_policy_base(
     """
     path, headers = validate_model_dir(model_path)
     files = list(headers)
-    _validate_format(fmt)
+    check_quant_format(fmt)
     check_on_indivisible(on_indivisible)
     dev = resolve_device(device)
     dtype = resolve_compute_dtype(compute_dtype, dev)
