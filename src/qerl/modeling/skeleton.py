@@ -5,7 +5,8 @@ buffers (e.g. the rotary ``inv_freq``) real, exactly as the modules' constructor
 Linear layers to quantize are swapped for empty :class:`~qerl.quant.linear.QuantLinear` shells;
 :func:`fill_from_checkpoint` then streams a checkpoint into it: a Linear weight is quantized on
 the target device and dropped before the next tensor is read, so at most one full-precision
-weight matrix is alive at a time; every other tensor is placed on the device.
+weight matrix is alive at a time; every other tensor is copied to the device (never kept as a
+view of the memory-mapped file, so each shard is unmapped once it has been read).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def fill_from_checkpoint(
             rows[name] = quantize_into(module, name, tensor, device)
         elif isinstance(module, QuantLinear) and attr in module.format.tensor_names:
             _check_quantized_tensor(module, key, tensor)
-            module._buffers[attr] = tensor.to(device)
+            module._buffers[attr] = _owned(tensor, device)
         elif not _assign(module, attr, tensor, device, cast=quantize):
             unexpected.append(key)
         if tied_quant_out and name == in_name and attr == "weight":
@@ -138,6 +139,18 @@ def _check_quantized_tensor(layer: QuantLinear, key: str, tensor: torch.Tensor) 
         )
 
 
+def _owned(
+    tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``tensor`` on ``device`` in ``dtype``, in memory of its own.
+
+    ``safe_open(...).get_tensor`` on the CPU returns a view of the memory-mapped file; a kept
+    view (even a 1 KB bias) would hold the whole shard mapped, resident and tied to the file
+    (which must then never change on disk), so what the model keeps is always copied.
+    """
+    return tensor.to(device=device, dtype=dtype, copy=True)
+
+
 def _assign(
     module: nn.Module, attr: str, tensor: torch.Tensor, device: torch.device, *, cast: bool
 ) -> bool:
@@ -148,7 +161,7 @@ def _assign(
             old.dtype if (cast and old is not None and tensor.is_floating_point()) else tensor.dtype
         )
         requires_grad = old.requires_grad if old is not None else False
-        value = tensor.to(device=device, dtype=dtype)
+        value = _owned(tensor, device, dtype)
         module._parameters[attr] = nn.Parameter(
             value, requires_grad=requires_grad and value.is_floating_point()
         )
@@ -160,7 +173,7 @@ def _assign(
             if (cast and old_buf is not None and tensor.is_floating_point())
             else tensor.dtype
         )
-        module._buffers[attr] = tensor.to(device=device, dtype=dtype)
+        module._buffers[attr] = _owned(tensor, device, dtype)
         return True
     return False
 
