@@ -17,6 +17,7 @@ from qerl.data.specs import (
     SourceSpec,
     parse_source,
     parse_sources,
+    source_error,
 )
 from qerl.errors import QerlConfigError
 
@@ -51,6 +52,23 @@ def test_union_is_a_pydantic_field_type() -> None:
         _Settings(sources=[{"name": "chain_sums"}])
     with pytest.raises(ValidationError):
         rg.size = 5  # type: ignore[misc]  # frozen
+
+
+def test_settings_model_errors_convert_to_the_same_messages() -> None:
+    raw = [{"name": "chain_sum"}, {"name": "chain_sum", "seeds": 1}]
+    with pytest.raises(ValidationError) as info:
+        _Settings(sources=raw)
+    err = info.value.errors()[0]
+    assert err["loc"][:2] == ("sources", 1)
+    converted = source_error({**err, "loc": err["loc"][2:]}, raw[1], "data.sources[1]")
+    assert str(converted) == str(_error_of(raw[1], "data.sources[1]"))
+    assert converted.field == "data.sources[1].seeds" and "'seed'" in converted.problem
+
+
+def _error_of(raw: dict[str, Any], field: str) -> QerlConfigError:
+    with pytest.raises(QerlConfigError) as info:
+        parse_source(raw, field, check_paths=False)
+    return info.value
 
 
 def test_parse_sources_returns_models_and_accepts_models(tmp_path: Path) -> None:

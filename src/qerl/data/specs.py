@@ -60,6 +60,7 @@ __all__ = [
     "close_names",
     "parse_source",
     "parse_sources",
+    "source_error",
 ]
 
 #: File suffix -> format of a ``kind: file`` source.
@@ -286,8 +287,14 @@ def _join(prefix: str, sub: str) -> str:
     return f"{prefix}.{sub}" if sub else prefix
 
 
-def _config_error(err: Mapping[str, Any], raw: Any, field: str) -> QerlConfigError:
-    """One pydantic error of a source as a :class:`QerlConfigError` under ``field``."""
+def source_error(err: Mapping[str, Any], raw: Any, field: str) -> QerlConfigError:
+    """One pydantic error of a source (an item of ``ValidationError.errors()``) as a
+    :class:`QerlConfigError` under ``field`` (e.g. ``data.sources[2]``).
+
+    ``err["loc"]`` must be relative to the source: a settings model that validates
+    ``sources: list[SourceSpec]`` passes ``{**err, "loc": err["loc"][k:]}`` with ``k`` the
+    position just after the list index. ``raw`` is the source as given.
+    """
     loc = [str(x) for x in err["loc"]]
     kind = loc.pop(0) if loc and loc[0] in _MODELS else None
     etype, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
@@ -390,7 +397,7 @@ def parse_source(
     try:
         spec: SourceModel = _ADAPTER.validate_python(raw)
     except ValidationError as exc:
-        raise _config_error(exc.errors()[0], raw, field_name) from None
+        raise source_error(exc.errors()[0], raw, field_name) from None
     if check_paths:
         check_source_paths(spec, field_name)
     return spec
