@@ -19,7 +19,6 @@ from kedro.framework.cli.project import run as kedro_run
 from qerl.errors import QerlConfigError
 
 
-
 def _sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from qerl.data.specs import SourceSpec
 from qerl.errors import QerlConfigError
 from qerl.noise.schedules import SCHEDULES
 from qerl.quant.formats import QUANT_FORMATS
@@ -40,11 +41,10 @@ class _Strict(BaseModel):
 
 
 class DataParams(_Strict):
-    """Prompt sources and the split (``params:data``). Each source is validated by
-    ``qerl.data.sources`` (its ``kind``: reasoning_gym, file or hf), which names
-    ``data.sources[i].<field>`` in errors."""
+    """Prompt sources and the split (``params:data``). Each source is one of ``qerl.data.specs``'
+    models, chosen by its ``kind`` (reasoning_gym, file or hf); errors name ``data.sources[i].<field>``."""
 
-    sources: list[dict[str, Any]] = Field(default_factory=lambda: [
+    sources: list[SourceSpec] = Field(validate_default=True, default_factory=lambda: [
         {"kind": "reasoning_gym", "name": "chain_sum", "size": 2000, "seed": 17,
          "config": {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}}])
     template: str = "{question}\n"

@@ -34,6 +34,14 @@ def validate_block(name: str, raw: Any) -> BaseModel:
     try:
         return model.model_validate(raw if raw is not None else {})
     except ValidationError as err:
+        first = err.errors()[0]
+        loc = first.get("loc", ())
+        if name == "data" and len(loc) >= 2 and loc[0] == "sources" and isinstance(loc[1], int):
+            from qerl.data.specs import source_error
+
+            i = loc[1]
+            sub = {**first, "loc": loc[2:]}
+            raise source_error(sub, (raw or {}).get("sources", [])[i], f"data.sources[{i}]") from None
         raise config_error(name, err) from None
 
 

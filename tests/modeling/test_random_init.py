@@ -10,7 +10,8 @@ from torch import nn
 
 from qerl.errors import QerlConfigError
 from qerl.modeling.loader import load_policy_base
-from qerl.modeling.lora import LoraSettings, apply_lora
+from qerl.modeling.lora import apply_lora
+from qerl.params import LoraParams
 from qerl.modeling.random_init import QWEN25, build_random_policy_base, qwen25_config
 from qerl.quant.linear import QuantLinear, quantize_model_
 
@@ -162,7 +163,7 @@ def test_tied_lm_head_can_be_quantized_too() -> None:
 
 def test_ready_for_lora_training() -> None:
     model = build_random_policy_base(tiny_config(), "nvfp4", dtype=torch.float32, seed=2)
-    peft_model = apply_lora(model, LoraSettings(r=4, alpha=8))
+    peft_model = apply_lora(model, LoraParams(r=4, alpha=8))
     ids = torch.arange(12).reshape(2, 6) % 80
     loss = peft_model(input_ids=ids, labels=ids).loss
     loss.backward()

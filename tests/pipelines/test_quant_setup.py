@@ -12,16 +12,13 @@ from qerl.params import TrainParams
 from qerl.pipelines.quant_setup.nodes import compare_formats, setup_policy
 
 
-def _params(model_dir: Path, fmt: str = "nvfp4") -> TrainParams:
-    return TrainParams(
-        model={"path": str(model_dir), "device": "cpu"},
-        quant={"format": fmt},
-        rewards={"functions": [{"name": "exact_match"}]},
-    )
+def _params(model_dir: Path, fmt: str = "nvfp4") -> tuple:
+    p = TrainParams(model={"path": str(model_dir), "device": "cpu"}, quant={"format": fmt})
+    return p.model, p.quant, p.lora
 
 
 def test_setup_policy_reports_every_linear(tiny_model_dir: Path) -> None:
-    policy, report = setup_policy(_params(tiny_model_dir, "mxfp4"))
+    policy, report = setup_policy(*_params(tiny_model_dir, "mxfp4"))
     linears = [n for n, m in policy.model.named_modules() if n.endswith("base_layer")]
     assert len(report[report["format"] == "mxfp4"]) == len(linears) > 0
     assert report.loc[report["format"] == "mxfp4", "rel_error"].between(0.01, 0.3).all()
@@ -30,7 +27,7 @@ def test_setup_policy_reports_every_linear(tiny_model_dir: Path) -> None:
 
 
 def test_compare_formats_bits_and_errors(tiny_model_dir: Path) -> None:
-    table = compare_formats(_params(tiny_model_dir)).set_index("format")
+    table = compare_formats(*_params(tiny_model_dir)).set_index("format")
     assert list(table.index) == ["none", "nf4", "fp4", "nvfp4", "mxfp4"]
     assert table.loc["none", "quantized_layers"] == 0 and table.loc["none", "rel_error_max"] == 0
     n_linear = int(table.loc["nvfp4", "quantized_layers"])
