@@ -26,7 +26,7 @@ for phase in $PHASES; do
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing ;;
     tune)
       timeout 150 python3 -m qerl.kernels.tuning --models 7b --formats nvfp4,mxfp4 --ms 1,64 \
-        --samples 6 --budget-s 120 ;;
+        --budget-s 120 ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 \
         --legacy .legacy/fp4_matmul_legacy.py --json "$OUT/fp4_matmul.json" ;;

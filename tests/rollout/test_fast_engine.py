@@ -314,6 +314,9 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
         assert eng.last_stats["backend"] == "triton" and eng.last_stats["cuda_graph"]
         if fmt is not None and fp4 != "auto":
             assert eng.last_stats["fp4_backend"] == fp4
+            # every decoder group runs as one humming GEMM (only the dense LM head does not)
+            expected = 4 * model.config.num_hidden_layers if fp4 == "humming" else 0
+            assert eng.last_stats["humming_groups"] == expected
         ref = _teacher_forced_logprobs(model, out, 1.0)
         err = (out.logprobs - ref).abs()
         assert err.mean() < 0.05 and err.max() < 0.5, (err.mean(), err.max())
@@ -365,9 +368,11 @@ class _FakeHumming:
         return (x.float() @ self.w.t()).to(x.dtype)
 
 
-def test_group_gemm_humming_contract_equals_peft(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The humming path's plumbing (stacked GEMM, per-column scales, group bias, batched LoRA)
-    against peft's modules, with the library replaced by a CPU stand-in of its contract."""
+@pytest.mark.parametrize("fp4", ["humming", "torch"])
+def test_group_gemm_paths_equal_peft(monkeypatch: pytest.MonkeyPatch, fp4: str) -> None:
+    """The CUDA group paths' plumbing (humming: stacked GEMM, per-column scales; torch: all
+    members dequantized into the shared scratch, one GEMM; both: group bias, batched LoRA)
+    against peft's modules, with humming replaced by a CPU stand-in of its contract."""
     from peft import LoraConfig, get_peft_model
 
     from qerl.kernels import humming_gemm
@@ -381,9 +386,10 @@ def test_group_gemm_humming_contract_equals_peft(monkeypatch: pytest.MonkeyPatch
     model.to(torch.bfloat16)
     plan = build_plan(model)
     refresh_lora(plan)
-    gemms = {id(g): GroupGemm(g, "humming", torch.bfloat16) for g in plan.groups()}
+    gemms = {id(g): GroupGemm(g, fp4, torch.bfloat16) for g in plan.groups()}
     lay = plan.layers[0]
-    assert gemms[id(lay.qkv)].humming is not None and gemms[id(lay.qkv)].col_scale is not None
+    assert (gemms[id(lay.qkv)].humming is not None) == (fp4 == "humming")
+    assert (gemms[id(lay.qkv)].col_scale is not None) == (fp4 == "humming")
     assert gemms[id(plan.lm_head)].humming is None  # dense: not a humming group
     at = model.base_model.model.model.layers[0].self_attn
     x = torch.randn(6, 64).to(torch.bfloat16)

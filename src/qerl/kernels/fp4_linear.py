@@ -18,6 +18,8 @@ checkpointed activations plus one scratch of the largest layer. The weight never
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +81,21 @@ def humming_gemm_of(layer, dtype: torch.dtype):
     return layer.kernel_cache.get(("humming", dtype), _signature(layer), build)
 
 
+def _humming_or_none(layer, dtype: torch.dtype):
+    """The layer's humming GEMM, or ``None`` (with one warning per layer) if humming cannot
+    prepare it; the caller then takes the dequantize path."""
+    try:
+        return humming_gemm_of(layer, dtype)
+    except Exception as e:  # noqa: BLE001 - degrade to the dequantize path, loudly
+        if not getattr(layer, "_humming_warned", False):
+            warnings.warn(f"humming could not prepare a {layer.fmt} layer "
+                          f"[{layer.out_features}, {layer.in_features}] ({type(e).__name__}: "
+                          f"{e}); using the Triton dequantize + cuBLAS path", stacklevel=3)
+            layer._humming_warned = True
+        layer.kernel_cache.get(("humming", dtype), _signature(layer), lambda: None)  # not again
+        return None
+
+
 def dequantized_weight(layer, dtype: torch.dtype, device: torch.device,
                        backend: str | None = None) -> torch.Tensor:
     """The layer's weight ``[out, in]`` in ``dtype``: a view of the shared scratch on CUDA with
@@ -103,11 +120,11 @@ def _forward(x: torch.Tensor, layer) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
     if backend == "humming" and 0 < rows <= humming_max_m() \
             and x.dtype in (torch.bfloat16, torch.float16):
-        x2 = x.reshape(rows, x.shape[-1])
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        y = humming_gemm_of(layer, x.dtype)(x2)
-        return y.reshape(*x.shape[:-1], layer.out_features)
+        gemm = _humming_or_none(layer, x.dtype)
+        if gemm is not None:
+            x2 = x.reshape(rows, x.shape[-1])
+            y = gemm(x2 if x2.is_contiguous() else x2.contiguous())
+            return y.reshape(*x.shape[:-1], layer.out_features)
     w = dequantized_weight(layer, x.dtype, x.device, backend)
     return F.linear(x, w, _bias(layer, x.dtype))
 

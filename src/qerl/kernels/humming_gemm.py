@@ -25,10 +25,24 @@ import torch
 
 from qerl.quant.formats import FORMATS
 
-__all__ = ["HummingFp4", "humming_weight_config"]
+__all__ = ["HummingFp4", "config_string", "humming_weight_config", "precompile"]
 
 PAD_N = 256  # humming's tiles need N and K in whole tiles; padding is free for the model shapes
 PAD_K = 128
+
+
+def config_string(cfg: dict) -> str:
+    """A tuning config as the JSON string humming parses (enums by value, numpy scalars as
+    Python numbers); the same config always gives the same string (humming caches by it)."""
+
+    def plain(v):
+        if hasattr(v, "value"):
+            return v.value
+        if hasattr(v, "item"):
+            return v.item()
+        raise TypeError(f"not JSON-serialisable in a humming config: {v!r}")
+
+    return json.dumps(cfg, sort_keys=True, default=plain)
 
 
 def humming_weight_config(fmt: str) -> dict:
@@ -94,12 +108,14 @@ class HummingFp4:
         choice for ``m``. One config per ``m``, so only kernels that run get compiled."""
         hit = self._tuning.get(m)
         if hit is None:
-            from humming.tune import get_heuristics_config
-
             tuned = [t for t in sorted(self._tuned) if t >= m]
-            cfg = self._tuned[tuned[0]] if tuned else get_heuristics_config(
-                self.layer_config(), shape_m=m, device=self.device)
-            hit = self._tuning[m] = json.dumps(cfg, sort_keys=True)
+            if tuned:
+                cfg = self._tuned[tuned[0]]
+            else:
+                from humming.tune import get_heuristics_config
+
+                cfg = get_heuristics_config(self.layer_config(), shape_m=m, device=self.device)
+            hit = self._tuning[m] = config_string(cfg)
         return hit
 
     # -- running ------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Tuning humming's FP4 GEMM kernels for the decode shapes of our models, cached per GPU.
 
 For one GEMM shape (format, N, K) and a few decode row counts M, the candidates are humming's
-heuristic choice at each M plus a sample from humming's own tuner space
-(``humming.testing.tuning.sample_test_tuning_configs``); they are compiled in parallel, each is
-checked against the heuristic kernel's output and timed with a cold L2
-(``triton.testing.do_bench``, which flushes the cache before every launch), and the fastest per M
-is kept. Results go to one JSON file per GPU (``$QERL_HUMMING_TUNING``, else
+heuristic choice at each M and its neighbours (pipeline stages, CTAs per SM, stream-K on/off,
+block N and K), optionally plus a sample from humming's own tuner space
+(``humming.testing.tuning.sample_test_tuning_configs``, ``--samples``; it costs one to two minutes
+of CPU per shape); they are compiled in parallel, each is checked against the heuristic kernel's
+output and timed with a cold L2 (``triton.testing.do_bench``, which flushes the cache before every
+launch), and the fastest per M is kept; illegal candidates fail to compile and are skipped. Results go to one JSON file per GPU (``$QERL_HUMMING_TUNING``, else
 ``$XDG_CACHE_HOME/qerl/humming_tuning_<gpu>.json``, ``~/.cache`` by default), keyed by
 ``<fmt>:<N>x<K>:<dtype>``; entries from another humming version are ignored.
 
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -96,7 +98,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 8,
+def neighbours(cfg: dict) -> list[dict]:
+    """``cfg`` and its one-step variations (the tuner's candidates around a heuristic choice)."""
+    out = [cfg]
+    for key, values in (("num_stages", (3, 4, 6)), ("num_ctas_per_sm", (1, 2)),
+                        ("use_stream_k", (True, False))):
+        out += [{**cfg, key: v} for v in values if cfg.get(key) != v]
+    bs, ws = list(cfg["block_shape"]), list(cfg["warp_shape"])
+    out += [{**cfg, "block_shape": [bs[0], bn, bs[2]]} for bn in (128, 256) if bn != bs[1]]
+    out += [{**cfg, "block_shape": [bs[0], bs[1], bk],
+             "warp_shape": [ws[0], ws[1], bk] if ws[2] == bs[2] else ws}
+            for bk in (64, 128) if bk != bs[2]]
+    return out
+
+
+def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
                dtype: torch.dtype = torch.bfloat16, log=print) -> dict:
     """Tune one GEMM shape on the current GPU; returns ``{M: {"config", "us", "heuristic_us"}}``
     and writes the winners to :func:`cache_path`."""
@@ -106,7 +122,7 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 8,
     from humming.testing.tuning import sample_test_tuning_configs
     from humming.tune import get_heuristics_config
 
-    from qerl.kernels.humming_gemm import HummingFp4
+    from qerl.kernels.humming_gemm import HummingFp4, config_string
     from qerl.quant.formats import FORMATS
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -117,22 +133,30 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 8,
                              t.get("weight_global_scale"))], dtype=dtype)
     lc = gemm.layer_config()
     heur = {m: get_heuristics_config(lc, shape_m=m, device=dev) for m in ms}
-    cands = list(heur.values()) + sample_test_tuning_configs(
-        lc, ComputeConfig(gemm_type="dense"), sample_size=samples)
-    unique = {json.dumps(c, sort_keys=True): c for c in cands}
+    cands = [c for h in heur.values() for c in neighbours(dict(h))]
+    if samples:
+        cands += sample_test_tuning_configs(lc, ComputeConfig(gemm_type="dense"),
+                                            sample_size=samples)
+    unique = {config_string(c): c for c in cands}
     t0 = time.perf_counter()
-    try:  # compile all at once (humming compiles in parallel threads)
-        HummingKernel.prepare_kernels(lc.to_str(), None, [[0, 1 << 30, c] for c in unique.values()],
-                                      device=dev)
-    except Exception as e:  # noqa: BLE001 - one bad candidate: the loop below compiles singly
-        log(f"  parallel compile failed ({type(e).__name__}); compiling one by one")
-    log(f"  {fmt} {n}x{k}: {len(unique)} candidates compiled in {time.perf_counter() - t0:.1f}s")
+
+    def compile_one(s: str) -> str | None:
+        try:
+            HummingKernel.prepare_kernels(lc.to_str(), None, s, device=dev)
+            return s
+        except Exception:  # noqa: BLE001 - an illegal candidate
+            return None
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        legal = [s for s in pool.map(compile_one, unique) if s is not None]
+    log(f"  {fmt} {n}x{k}: {len(legal)} of {len(unique)} candidates compiled in "
+        f"{time.perf_counter() - t0:.1f}s")
     result = {}
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=dtype)
-        ref = gemm(x, tuning=json.dumps(heur[m], sort_keys=True))
+        ref = gemm(x, tuning=config_string(heur[m]))
         timings = []
-        for s in unique:
+        for s in legal:
             try:
                 y = gemm(x, tuning=s)
                 err = _rel(y, ref)
@@ -146,14 +170,17 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 8,
                 continue
             timings.append((us, s))
         timings.sort()
-        h_us = next(u for u, s in timings if s == json.dumps(heur[m], sort_keys=True)) \
-            if any(s == json.dumps(heur[m], sort_keys=True) for _, s in timings) else None
+        if not timings:
+            log(f"    M={m}: no candidate ran; kept humming's heuristic")
+            continue
+        h_us = next((u for u, s in timings if s == config_string(heur[m])), None)
         best_us, best = timings[0]
         result[m] = {"config": json.loads(best), "us": best_us, "heuristic_us": h_us}
         log(f"    M={m}: best {best_us:.1f} us (heuristic {h_us if h_us is None else round(h_us, 1)}"
             f" us) of {len(timings)}")
-    _store(cache_path(dev), _key(fmt, n, k, dtype), {m: r["config"] for m, r in result.items()},
-           {"gpu": torch.cuda.get_device_name(dev)})
+    if result:
+        _store(cache_path(dev), _key(fmt, n, k, dtype),
+               {m: r["config"] for m, r in result.items()}, {"gpu": torch.cuda.get_device_name(dev)})
     return result
 
 
@@ -162,7 +189,7 @@ def main() -> None:  # pragma: no cover - GPU only
     ap.add_argument("--models", default="7b,32b")
     ap.add_argument("--formats", default="nvfp4,mxfp4")
     ap.add_argument("--ms", default="1,32,64,128")
-    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=0, help="extra candidates from humming's sampler")
     ap.add_argument("--budget-s", type=float, default=600.0, help="stop after this long")
     ap.add_argument("--json", default=None, help="also write the timings here")
     args = ap.parse_args()

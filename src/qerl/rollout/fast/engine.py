@@ -187,7 +187,9 @@ class FastEngine:
         done = torch.cat([p[4] for p in parts])
         if not sp.eos_token_ids:
             done.zero_()
-        self.last_stats = {"backend": backend, "fp4_backend": self._gemm_backend, "rows": N,
+        humming = sum(gm.humming is not None for gm in gemms.values()) if gemms else 0
+        self.last_stats = {"backend": backend, "fp4_backend": self._gemm_backend,
+                           "humming_groups": humming, "rows": N,
                            "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
                            "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None}
         return RolloutBatch(

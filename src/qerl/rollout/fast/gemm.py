@@ -11,6 +11,8 @@ scales still to apply when :attr:`GroupGemm.col_scale` is set).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -30,10 +32,15 @@ class GroupGemm:
         self.dtype = dtype
         self.humming = None
         if backend == "humming" and group.all_fp4 and dtype in (torch.bfloat16, torch.float16):
-            from qerl.kernels.humming_gemm import HummingFp4
+            from qerl.kernels import humming_gemm
 
-            self.humming = HummingFp4(group.members[0].fmt,
-                                      [m.fp4_tensors() for m in group.members], dtype=dtype)
+            try:
+                self.humming = humming_gemm.HummingFp4(
+                    group.members[0].fmt, [m.fp4_tensors() for m in group.members], dtype=dtype)
+            except Exception as e:  # noqa: BLE001 - degrade to the dequantize path, loudly
+                warnings.warn(f"humming could not prepare {group.members[0].name} "
+                              f"({type(e).__name__}: {e}); it runs through the Triton dequantize "
+                              "+ cuBLAS path", stacklevel=2)
 
     @property
     def col_scale(self) -> torch.Tensor | None:
