@@ -2,20 +2,25 @@
 
 Random-initialised Qwen2.5 architectures (real sizes, built directly on the GPU; no downloads),
 prompts of 128 random tokens, sampling T=1.0 top-p 0.95, a fixed number of new tokens (no EOS),
-LoRA r=32 on all linear layers for the ``+ LoRA`` column.
+LoRA r=32 (alpha 64) on all linear layers for the ``_lora`` columns.
 
-Rows: ``1.5b-64`` (B=64, N=256), ``7b-64`` (B=64, N=256), ``7b-256`` (B=256, N=128),
-``32b-32`` (B=32, N=128). Columns: ``hf_bf16``, ``hf_nf4`` (bitsandbytes), ``fast_bf16``,
-``fast_nvfp4``, ``fast_nvfp4_lora``, ``fast_mxfp4``. Per cell: tokens/s (B*N over prefill +
-decode), ms per decode step, peak GiB (the variant's weights + the run's peak extra allocation),
-and the floor of a decode step -- bytes that must move (weights in their format, LoRA, LM head,
-the KV cache at the mean context, logits) over the measured copy bandwidth, and FLOPs over the
-measured bf16 matmul rate -- with the ratio of the measured step to it.
+Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts at batch 1),
+``32b-32`` (B=32, N=128), ``7b-256`` (B=256, N=128), ``1.5b-64`` (B=64, N=256). Columns:
+``hf_bf16`` (transformers generate), ``hf_nf4`` (bitsandbytes), ``fast_bf16`` (our engine, cuBLAS),
+``fast_nvfp4`` / ``fast_mxfp4`` (our engine, 4-bit GEMMs by the backend ``qerl.kernels`` resolves
+to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
+``fast_nvfp4_lora_seq`` (LoRA shrinks not overlapped with the base GEMM). Per cell: tokens/s
+(B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
+extra allocation), and the floor of a decode step -- bytes that must move (weights in their
+format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
+bandwidth, and FLOPs over the measured bf16 matmul rate -- with the ratio of the measured step to
+it. ``--profile`` adds, per fast column, the device time of each kernel family in 5 eager decode
+steps (torch.profiler).
 
-    python benchmarks/rollout_throughput.py --rows 7b-64,32b-32 --json out.json
+    python benchmarks/rollout_throughput.py --rows 7b-64,7b-1,32b-32 --json out.json
 
 One model variant is resident at a time: bf16 -> (quantized in place) nvfp4 -> nvfp4 + LoRA ->
-mxfp4 (re-quantized layer by layer) -> nf4 (likewise).
+mxfp4 (re-quantized layer by layer) -> mxfp4 + LoRA -> nf4 (likewise).
 """
 
 # ruff: noqa: B023, B007  (closures are called inside the loop iteration that made them)
@@ -46,9 +51,11 @@ ARCH = {
                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
                 tie_word_embeddings=False),
 }
-ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-256": ("7b", 256, 128),
-        "32b-32": ("32b", 32, 128)}
-COLUMNS = ["hf_bf16", "hf_nf4", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4"]
+ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1, 256),
+        "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
+COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
+           "fast_mxfp4_lora"]
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 GiB = 1 << 30
@@ -199,8 +206,8 @@ def run_hf(model, B: int, N: int, vocab: int) -> dict:
     return res
 
 
-def run_fast(model, B: int, N: int, vocab: int) -> dict:
-    eng = FastEngine()
+def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True) -> dict:
+    eng = FastEngine(lora_overlap=lora_overlap)
     sp = SamplingParams(n=1, temperature=1.0, top_p=0.95, max_new_tokens=N, eos_token_ids=(),
                         pad_token_id=0)
     ps = prompts(B, vocab)
@@ -222,7 +229,8 @@ def run_fast(model, B: int, N: int, vocab: int) -> dict:
         return {"tok_s": B * n_new / total,
                 "ms_step": st["decode_s"] / max(1, st["decode_steps"]) * 1e3,
                 "prefill_ms": st["prefill_s"] * 1e3, "total_s": total, "new_tokens": n_new,
-                "cuda_graph": st["cuda_graph"], "backend": st["backend"]}
+                "cuda_graph": st["cuda_graph"], "backend": st["backend"],
+                "fp4_backend": st.get("fp4_backend")}
 
     res, extra = _timed(run, warm)
     out = info.pop("out")
@@ -230,6 +238,8 @@ def run_fast(model, B: int, N: int, vocab: int) -> dict:
     res["extra_peak"] = extra
     if CHECK:
         res["check_mean_abs_dlogprob"] = teacher_forced_gap(model, ps, out)
+    if PROFILE:
+        res["profile_us_per_step"] = profile_decode(eng)
     eng = None
     gc.collect()
     torch.cuda.empty_cache()
@@ -237,6 +247,43 @@ def run_fast(model, B: int, N: int, vocab: int) -> dict:
 
 
 CHECK = False
+PROFILE = False
+FAMILIES = [("humming", "humming"), ("lora_shrink", "lora shrink"), ("qkv_rope", "rope+qkv epi"),
+            ("add_rmsnorm", "add+rmsnorm"), ("attn_decode", "attention"),
+            ("silu_mul", "silu-mul"), ("fp4_dequant", "fp4 dequant"),
+            ("gemm", "cuBLAS"), ("gemv", "cuBLAS"), ("xmma", "cuBLAS"), ("cutlass", "cuBLAS"),
+            ("nvjet", "cuBLAS")]
+
+
+def profile_decode(eng, steps: int = 5) -> dict:
+    """Device microseconds per decode step by kernel family (eager steps on the engine's state)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qerl.rollout.fast import decode
+    from qerl.rollout.fast.torch_forward import TorchContext
+
+    st, plan = eng._state, eng._plan
+    ctx = TorchContext(gemms=eng._gemms)
+    saved = st.snapshot()
+    decode.step(plan, st, ctx)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decode.step(plan, st, ctx)
+        torch.cuda.synchronize()
+    st.restore(saved)
+    fam: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if not us or ev.key.startswith(("cudaLaunch", "cudaStream", "cudaEvent")):
+            continue
+        name = next((label for key, label in FAMILIES if key in ev.key.lower()), "other")
+        fam[name] = fam.get(name, 0.0) + us / steps
+    fam["total"] = sum(fam.values())
+    print("    profile (us/step): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                 sorted(fam.items(), key=lambda kv: -kv[1])),
+          flush=True)
+    return fam
 
 
 @torch.no_grad()
@@ -254,18 +301,37 @@ def teacher_forced_gap(model, ps, out, rows: int = 4) -> float:
     return gap
 
 
+def with_lora(model, row, B, N, V, record, cols, fmt):
+    """Run the LoRA columns of ``fmt`` on ``model`` wrapped with peft; return the bare model."""
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, target_modules=TARGETS,
+                                          init_lora_weights=False))
+    pm.eval()
+    if f"fast_{fmt}_lora" in cols:
+        record(f"fast_{fmt}_lora", lambda: run_fast(pm, B, N, V), pm, lora_r=32)
+    if fmt == "nvfp4" and "fast_nvfp4_lora_seq" in cols:
+        record("fast_nvfp4_lora_seq", lambda: run_fast(pm, B, N, V, lora_overlap=False), pm,
+               lora_r=32)
+    model = pm.unload()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="7b-64,32b-32,7b-256,1.5b-64")
+    ap.add_argument("--rows", default="7b-64,7b-1,32b-32")
     ap.add_argument("--columns", default=",".join(COLUMNS))
     ap.add_argument("--json", default="rollout_throughput.json")
     ap.add_argument("--new-tokens", type=int, default=None, help="override N (smoke runs)")
     ap.add_argument("--hf-rows", default=None, help="rows that run the hf_* columns (default all)")
     ap.add_argument("--check", action="store_true",
                     help="compare the engine's log-probs with a transformers forward pass")
+    ap.add_argument("--profile", action="store_true", help="kernel-family time per decode step")
     args = ap.parse_args()
-    global CHECK
-    CHECK = args.check
+    global CHECK, PROFILE
+    CHECK, PROFILE = args.check, args.profile
     sys.path.insert(0, os.path.dirname(__file__))
     from fp4_matmul import copy_bandwidth, matmul_rate
 
@@ -279,6 +345,15 @@ def main() -> None:
                "command": "python " + " ".join(sys.argv), "copy_bw": bw, "matmul_flops": rate,
                "torch": torch.__version__, "transformers": transformers.__version__,
                "prompt_len": PROMPT, "sampling": "T=1.0 top_p=0.95", "cells": []}
+    try:
+        import humming
+
+        from qerl.kernels import resolve_backend
+
+        results["humming"] = humming.__version__
+        results["fp4_backend"] = resolve_backend()
+    except ImportError:
+        pass
     print(f"{dev}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s, "
           f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
 
@@ -339,21 +414,15 @@ def main() -> None:
                   f"{model_bytes(model) / GiB:.1f} GiB", flush=True)
         if "fast_nvfp4" in cols:
             record("fast_nvfp4", lambda: run_fast(model, B, N, V), model)
-        if "fast_nvfp4_lora" in cols:
-            from peft import LoraConfig, get_peft_model
-
-            pm = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, target_modules=TARGETS,
-                                                  init_lora_weights=False))
-            pm.eval()
-            record("fast_nvfp4_lora", lambda: run_fast(pm, B, N, V), pm, lora_r=32)
-            model = pm.unload()
-            del pm
-            gc.collect()
-            torch.cuda.empty_cache()
-        if "fast_mxfp4" in cols or ("hf_nf4" in cols and run_hf_here):
+        if "fast_nvfp4_lora" in cols or "fast_nvfp4_lora_seq" in cols:
+            model = with_lora(model, row, B, N, V, record, cols, "nvfp4")
+        if any(c in cols for c in ("fast_mxfp4", "fast_mxfp4_lora")) \
+                or ("hf_nf4" in cols and run_hf_here):
             requantize_(model, "mxfp4")
             if "fast_mxfp4" in cols:
                 record("fast_mxfp4", lambda: run_fast(model, B, N, V), model)
+            if "fast_mxfp4_lora" in cols:
+                model = with_lora(model, row, B, N, V, record, cols, "mxfp4")
         if "hf_nf4" in cols and run_hf_here:
             try:
                 import bitsandbytes  # noqa: F401

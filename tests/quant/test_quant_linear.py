@@ -1,4 +1,5 @@
-"""QuantLinear: storage layout, forward/backward, dtype safety, backend hook, model helpers."""
+"""QuantLinear: storage layout, forward/backward, dtype safety, model helpers (the kernel
+dispatch and the autograd function are tested in tests/kernels)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ from qerl.errors import QerlConfigError
 from qerl.quant.formats import FORMATS
 from qerl.quant.linear import (
     QuantLinear,
-    get_fp4_matmul,
     module_matches,
     quant_report,
     quantize_model_,
-    reference_fp4_matmul,
-    set_fp4_matmul,
 )
 
 torch.set_num_threads(1)
@@ -107,26 +105,6 @@ def test_dtype_casts_never_touch_quantized_buffers(fmt: str) -> None:
     assert layer.bias.dtype == torch.float32
     layer.to(torch.bfloat16)
     assert layer.bias.dtype == torch.bfloat16
-
-
-def test_matmul_backend_hook() -> None:
-    layer = QuantLinear.from_linear(_linear(), "nvfp4")
-    x = torch.randn(2, 64)
-    calls: list[tuple[int, ...]] = []
-
-    def fake(inp: torch.Tensor, lyr: QuantLinear) -> torch.Tensor:
-        calls.append(tuple(inp.shape))
-        return reference_fp4_matmul(inp, lyr) + 1.0
-
-    previous = set_fp4_matmul(fake, device_type="cpu")
-    try:
-        assert get_fp4_matmul("cpu") is fake and get_fp4_matmul("cuda") is reference_fp4_matmul
-        y = layer(x)
-    finally:
-        set_fp4_matmul(previous, device_type="cpu")
-    assert calls == [(2, 64)]
-    assert torch.equal(y, reference_fp4_matmul(x, layer) + 1.0)
-    assert get_fp4_matmul("cpu") is reference_fp4_matmul
 
 
 def test_module_matches_dotted_patterns() -> None:

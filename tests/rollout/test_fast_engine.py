@@ -3,11 +3,14 @@
 CPU tests run the engine's torch backend (the CPU path: no graphs, no Triton) on small random
 Qwen2 / Llama models: greedy tokens must equal ``generate``'s and log-probs must match, with
 prompts of different lengths in one batch, FP4 (``QuantLinear``) bases, peft LoRA adapters applied
-unmerged, AQN-style in-place noise on the norm weights and EOS handling. The GPU tests (skipped
-without CUDA) run the Triton backend with CUDA graphs against the same references.
+unmerged and batched per group, AQN-style in-place noise on the norm weights, EOS handling and
+the wave split. The GPU tests (skipped without CUDA) run the Triton backend with CUDA graphs and
+each 4-bit backend against the same references.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -192,32 +195,205 @@ def test_rejects_empty_prompts() -> None:
         FastEngine(backend="torch").generate(model, [[1], []], sp)
 
 
+def test_batched_group_lora_equals_peft_modules() -> None:
+    """One shrink (stacked A) and one block-diagonal expand per group == peft's per-projection sum,
+    with a different rank per projection."""
+    from peft import LoraConfig, get_peft_model
+
+    from qerl.rollout.fast.plan import build_plan, refresh_lora
+    from qerl.rollout.fast.torch_forward import TorchContext, group_forward
+
+    base = _model("qwen2", fmt="nvfp4")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                            rank_pattern={"k_proj": 2, "gate_proj": 6},
+                                            init_lora_weights=False)).eval()
+    plan = build_plan(model)
+    refresh_lora(plan)
+    layer = model.base_model.model.model.layers[1]
+    at, mlp = layer.self_attn, layer.mlp
+    lay = plan.layers[1]
+    assert lay.qkv.r_total == 4 + 2 + 4 and lay.gu.r_total == 6 + 4
+    x = torch.randn(3, 5, 64)
+    ctx = TorchContext()
+    with torch.no_grad():
+        for group, mods in [(lay.qkv, [at.q_proj, at.k_proj, at.v_proj]),
+                            (lay.gu, [mlp.gate_proj, mlp.up_proj]), (lay.o, [at.o_proj])]:
+            for ours, ref in zip(group_forward(ctx, group, x), [m(x) for m in mods], strict=True):
+                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        # the adapter matters (a zero LoRA would make the comparison vacuous)
+        with model.disable_adapter():
+            plain = at.q_proj(x)
+        assert not torch.allclose(plain, at.q_proj(x), atol=1e-3)
+
+
+def _budget_for_rows(model, rows: float, sp: SamplingParams) -> float:
+    from qerl.rollout.fast.engine import SAMPLING_BYTES_PER_LOGIT, GiB
+    from qerl.rollout.fast.plan import build_plan
+
+    plan = build_plan(model)
+    cap = 128  # default cache_multiple; prompts + new tokens fit in it
+    per_row = plan.kv_bytes_per_row(cap) + SAMPLING_BYTES_PER_LOGIT * plan.vocab
+    return rows * per_row / GiB
+
+
+@pytest.mark.parametrize("budget_rows,waves,wave_rows", [(4.5, 4, 3), (2.5, 6, 2)])
+def test_waves_give_the_same_rollout(budget_rows: float, waves: int, wave_rows: int) -> None:
+    """A batch that does not fit the KV budget runs in waves with the same per-row results
+    (whole prompt groups when one fits; prompts split across waves otherwise)."""
+    model = _model("qwen2", fmt="mxfp4", lora=True)
+    sp = SamplingParams(n=3, temperature=1.0, top_p=0.9, max_new_tokens=8, eos_token_ids=(2,),
+                        pad_token_id=0)
+    one = FastEngine(backend="torch").generate(model, PROMPTS, sp,
+                                               generator=torch.Generator().manual_seed(5))
+    eng = FastEngine(backend="torch", kv_budget_gib=_budget_for_rows(model, budget_rows, sp))
+    split = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(5))
+    assert eng.last_stats["waves"] == waves and eng.last_stats["wave_rows"] == wave_rows
+    assert torch.equal(split.completion_ids, one.completion_ids)
+    assert torch.equal(split.completion_mask, one.completion_mask)
+    assert torch.equal(split.truncated, one.truncated)
+    torch.testing.assert_close(split.logprobs, one.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(split.extras["entropy"], one.extras["entropy"], rtol=0, atol=1e-5)
+    assert split.prompt_index.tolist() == one.prompt_index.tolist()
+    assert len({tuple(r.tolist()) for r in one.completion_ids}) > 6  # rows really differ
+
+
+def test_bad_engine_options() -> None:
+    with pytest.raises(ValueError, match="kv_budget_gib"):
+        FastEngine(kv_budget_gib=0)
+    with pytest.raises(ValueError, match="kv_budget_fraction"):
+        FastEngine(kv_budget_fraction=1.5)
+    with pytest.raises(ValueError, match="EOS"):
+        FastEngine(backend="torch").generate(_model("qwen2"), PROMPTS, SamplingParams(
+            n=1, greedy=True, max_new_tokens=2, eos_token_ids=tuple(range(9))))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+                    reason="CPU check of the Triton decode step, under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fmt", [None, "nvfp4"])
+def test_triton_decode_step_equals_torch_path_interpreted(fmt) -> None:
+    pytest.importorskip("triton")
+    model = _model("qwen2", fmt=fmt, lora=True)
+    sp = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, eos_token_ids=(),
+                        pad_token_id=0)
+    ref = FastEngine(backend="torch").generate(model, PROMPTS, sp,
+                                               generator=torch.Generator().manual_seed(0))
+    eng = FastEngine(backend="triton")
+    out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+    assert eng.last_stats["backend"] == "triton"
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------ GPU
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _gpu_model(fmt):
+    return _model("qwen2", fmt=fmt, lora=True, device="cuda", dtype=torch.bfloat16,
+                  hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, initializer_range=0.05)
+
+
 @gpu
-@pytest.mark.parametrize("fmt", [None, "nvfp4", "mxfp4"])
-def test_gpu_graph_engine_matches_teacher_forcing(fmt) -> None:
+@pytest.mark.parametrize("fmt,fp4", [(None, "auto"), ("nvfp4", "humming"), ("mxfp4", "humming"),
+                                     ("nvfp4", "triton"), ("mxfp4", "torch")])
+def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
     """bf16 on the GPU: the graph-replayed Triton path agrees with a full forward pass."""
-    model = _model("qwen2", fmt=fmt, lora=True, device="cuda", dtype=torch.bfloat16,
-                   hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=512, initializer_range=0.05)
-    eng = FastEngine()
-    sp = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=40, eos_token_ids=(),
+    from qerl.kernels import backend_available, use_backend
+
+    if fp4 != "auto" and not backend_available(fp4):
+        pytest.skip(f"{fp4} not available")
+    previous = use_backend(fp4)
+    try:
+        model = _gpu_model(fmt)
+        eng = FastEngine()
+        sp = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=40,
+                            eos_token_ids=(), pad_token_id=0)
+        out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+        assert eng.last_stats["backend"] == "triton" and eng.last_stats["cuda_graph"]
+        if fmt is not None and fp4 != "auto":
+            assert eng.last_stats["fp4_backend"] == fp4
+            # every decoder group runs as one humming GEMM (only the dense LM head does not)
+            expected = 4 * model.config.num_hidden_layers if fp4 == "humming" else 0
+            assert eng.last_stats["humming_groups"] == expected
+        ref = _teacher_forced_logprobs(model, out, 1.0)
+        err = (out.logprobs - ref).abs()
+        assert err.mean() < 0.05 and err.max() < 0.5, (err.mean(), err.max())
+        # norm weights changed in place after capture: the replayed graph sees them
+        norms = [m.weight for n, m in model.named_modules() if n.endswith("layernorm")]
+        with torch.no_grad():
+            for w in norms:
+                w.mul_(1.5)
+        out2 = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+        ref2 = _teacher_forced_logprobs(model, out2, 1.0)
+        assert (out2.logprobs - ref2).abs().mean() < 0.05
+        assert not torch.allclose(out2.logprobs, out.logprobs)
+    finally:
+        use_backend(previous)
+
+
+@gpu
+def test_gpu_waves_match_teacher_forcing() -> None:
+    model = _gpu_model("nvfp4")
+    sp = SamplingParams(n=3, temperature=1.0, top_p=0.95, max_new_tokens=24, eos_token_ids=(),
                         pad_token_id=0)
-    out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
-    assert eng.last_stats["backend"] == "triton" and eng.last_stats["cuda_graph"]
-    ref = _teacher_forced_logprobs(model, out, 1.0)
-    err = (out.logprobs - ref).abs()
-    assert err.mean() < 0.05 and err.max() < 0.5, (err.mean(), err.max())
-    # norm weights changed in place after capture: the replayed graph sees them
-    norms = [m.weight for n, m in model.named_modules() if n.endswith("layernorm")]
+    eng = FastEngine(kv_budget_gib=_budget_for_rows(model, 4.5, sp))
+    out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(1))
+    assert eng.last_stats["waves"] == 4 and eng.last_stats["cuda_graph"]
+    err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
+    assert err.mean() < 0.05, err.mean()
+
+
+class _FakeHumming:
+    """CPU stand-in for ``HummingFp4`` with its contract: members stacked along N, NVFP4 with
+    distinct global scales run with global 1 and report ``col_scale = 1 / global``."""
+
+    def __init__(self, fmt, members, bias=None, dtype=torch.bfloat16):
+        from qerl.quant.formats import FORMATS
+
+        gs = [m[2] for m in members]
+        distinct = fmt == "nvfp4" and len({float(g) for g in gs}) > 1
+        ws = []
+        for packed, scale, g in members:
+            t = {"weight_packed": packed, "weight_scale": scale}
+            if fmt == "nvfp4":
+                t["weight_global_scale"] = torch.ones_like(g) if distinct else g
+            ws.append(FORMATS[fmt].dequantize(t, torch.float32))
+        self.w = torch.cat(ws)
+        self.col_scale = torch.cat([torch.full((m[0].shape[0],), 1.0) / m[2].float()
+                                    for m in members]) if distinct else None
+
+    def __call__(self, x):
+        return (x.float() @ self.w.t()).to(x.dtype)
+
+
+@pytest.mark.parametrize("fp4", ["humming", "torch"])
+def test_group_gemm_paths_equal_peft(monkeypatch: pytest.MonkeyPatch, fp4: str) -> None:
+    """The CUDA group paths' plumbing (humming: stacked GEMM, per-column scales; torch: all
+    members dequantized into the shared scratch, one GEMM; both: group bias, batched LoRA)
+    against peft's modules, with humming replaced by a CPU stand-in of its contract."""
+    from peft import LoraConfig, get_peft_model
+
+    from qerl.kernels import humming_gemm
+    from qerl.rollout.fast.gemm import GroupGemm
+    from qerl.rollout.fast.plan import build_plan, refresh_lora
+    from qerl.rollout.fast.torch_forward import TorchContext, group_forward
+
+    monkeypatch.setattr(humming_gemm, "HummingFp4", _FakeHumming)
+    model = get_peft_model(_model("qwen2", fmt="nvfp4"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)).eval()
+    model.to(torch.bfloat16)
+    plan = build_plan(model)
+    refresh_lora(plan)
+    gemms = {id(g): GroupGemm(g, fp4, torch.bfloat16) for g in plan.groups()}
+    lay = plan.layers[0]
+    assert (gemms[id(lay.qkv)].humming is not None) == (fp4 == "humming")
+    assert (gemms[id(lay.qkv)].col_scale is not None) == (fp4 == "humming")
+    assert gemms[id(plan.lm_head)].humming is None  # dense: not a humming group
+    at = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(6, 64).to(torch.bfloat16)
     with torch.no_grad():
-        for w in norms:
-            w.mul_(1.5)
-    out2 = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
-    ref2 = _teacher_forced_logprobs(model, out2, 1.0)
-    assert (out2.logprobs - ref2).abs().mean() < 0.05
-    assert not torch.allclose(out2.logprobs, out.logprobs)
+        outs = group_forward(TorchContext(gemms=gemms), lay.qkv, x)
+        for ours, ref in zip(outs, [at.q_proj(x), at.k_proj(x), at.v_proj(x)], strict=True):
+            assert float((ours.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

@@ -1,29 +1,43 @@
-"""GPU kernels (Triton) with plain-torch references: weight-only FP4 matmul (NVFP4 / MXFP4)."""
+"""4-bit (NVFP4 / MXFP4) matmuls on the GPU: backend selection, the training autograd path, the
+Triton dequantize kernel and humming-kernels as the decode GEMM.
 
-from qerl.kernels.fp4_matmul import (
-    FP4_FORMATS,
-    GROUP_SIZE,
-    HAS_TRITON,
-    dequantize_fp4,
-    fp4_dequantize_triton,
+Backend API (see :mod:`qerl.kernels.backend`): ``resolve_backend(name="auto") -> str``,
+``use_backend(name)`` (what the ``quant.backend`` setting calls), ``available_backends()``,
+``FP4_BACKENDS``; the ``QERL_FP4_BACKEND`` environment variable forces one. The layer-level entry
+is :func:`fp4_linear` (what ``QuantLinear.forward`` calls).
+"""
+
+from qerl.kernels.backend import (
+    FP4_BACKENDS,
+    available_backends,
+    backend_available,
+    humming_max_m,
+    resolve_backend,
+    use_backend,
+)
+from qerl.kernels.dequant import HAS_TRITON, dequantize_into, reserve_scratch, scratch
+from qerl.kernels.fp4_linear import (
+    Fp4LinearFunction,
+    KernelCache,
+    dequantized_weight,
     fp4_linear,
-    fp4_linear_reference,
-    fp4_linear_triton,
-    permute_activation,
-    quantize_fp4,
-    unpermute_activation,
+    humming_gemm_of,
 )
 
 __all__ = [
-    "FP4_FORMATS",
-    "GROUP_SIZE",
+    "FP4_BACKENDS",
     "HAS_TRITON",
-    "dequantize_fp4",
-    "fp4_dequantize_triton",
+    "Fp4LinearFunction",
+    "KernelCache",
+    "available_backends",
+    "backend_available",
+    "dequantize_into",
+    "dequantized_weight",
     "fp4_linear",
-    "fp4_linear_reference",
-    "fp4_linear_triton",
-    "permute_activation",
-    "quantize_fp4",
-    "unpermute_activation",
+    "humming_gemm_of",
+    "humming_max_m",
+    "reserve_scratch",
+    "resolve_backend",
+    "scratch",
+    "use_backend",
 ]

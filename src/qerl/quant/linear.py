@@ -7,11 +7,13 @@ quantized model IS the compressed-tensors checkpoint layout (``<prefix>.weight_p
 ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` on the model never cast those buffers (the E4M3
 scales and the float32 global scale would lose information); device moves work as usual.
 
-Forward is ``y = x @ W^T + b`` with ``W`` the dequantized weight, routed through one swappable
-function, the FP4 matmul backend: the reference backend dequantizes to the input dtype and calls
-``F.linear`` (CPU, and any device without a kernel). A GPU kernel registers itself with
-``set_fp4_matmul(fn, device_type="cuda")``; ``fn(x, layer)`` gets the input and the layer and must
-return the same result as :func:`reference_fp4_matmul` (bias included), differentiable in ``x``.
+Forward is ``y = x @ W^T + b`` with ``W`` the dequantized weight, through
+:func:`qerl.kernels.fp4_linear`: on CPU the torch codec dequantizes and ``F.linear`` multiplies;
+on CUDA the selected backend runs it (humming-kernels for decode-sized inputs, else the Triton
+dequantize kernel into a shared scratch + cuBLAS; ``qerl.kernels.resolve_backend``). Under
+autograd the weight is never saved for backward: the x-gradient dequantizes it again. Kernel
+tensors prepared for a backend (humming's layout) live in ``kernel_cache``, are built on first
+use and rebuilt when a buffer changes; :func:`reference_fp4_matmul` is the plain reference.
 
 PEFT integration (why ``QuantLinear`` subclasses ``nn.Linear`` with ``weight = None`` and a
 ``qweight`` property). Stock peft must wrap it with no custom registration, so that
@@ -46,7 +48,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,14 +57,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.errors import QerlConfigError
+from qerl.kernels.fp4_linear import KernelCache, fp4_linear
 from qerl.quant.formats import FORMATS, Fp4Format
 
 __all__ = [
-    "Fp4Matmul",
     "QuantLinear",
     "QuantizeSummary",
     "check_on_indivisible",
-    "get_fp4_matmul",
     "indivisible_error",
     "layer_report_row",
     "module_matches",
@@ -70,12 +71,10 @@ __all__ = [
     "quant_report",
     "quantize_model_",
     "reference_fp4_matmul",
-    "set_fp4_matmul",
     "set_submodule",
 ]
 
 OnIndivisible = Literal["skip", "error"]
-Fp4Matmul = Callable[[torch.Tensor, "QuantLinear"], torch.Tensor]
 
 # Same-width integer dtypes used to hide float-typed quantization buffers from dtype casts.
 _INT_TWIN: dict[torch.dtype, torch.dtype] = {
@@ -88,28 +87,10 @@ _INT_TWIN: dict[torch.dtype, torch.dtype] = {
 
 
 def reference_fp4_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-    """Reference backend: dequantize to ``x.dtype`` and call ``F.linear`` (bias included)."""
+    """Reference: dequantize to ``x.dtype`` with the torch codec and call ``F.linear``."""
     weight = layer.dequantize(x.dtype)
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
     return F.linear(x, weight, bias)
-
-
-_MATMUL_BACKENDS: dict[str, Fp4Matmul] = {}
-
-
-def set_fp4_matmul(fn: Fp4Matmul | None, device_type: str = "cuda") -> Fp4Matmul | None:
-    """Install ``fn`` as the FP4 matmul for inputs on ``device_type``; ``None`` restores the
-    reference. Returns the previously installed function (or ``None``) so callers can restore it.
-    """
-    previous = _MATMUL_BACKENDS.pop(device_type, None)
-    if fn is not None:
-        _MATMUL_BACKENDS[device_type] = fn
-    return previous
-
-
-def get_fp4_matmul(device_type: str) -> Fp4Matmul:
-    """The FP4 matmul used for inputs on ``device_type`` (the reference unless one is set)."""
-    return _MATMUL_BACKENDS.get(device_type, reference_fp4_matmul)
 
 
 # --------------------------------------------------------------------------- the layer
@@ -150,6 +131,7 @@ class QuantLinear(nn.Linear):
         self.out_features = out_features
         self.fmt = fmt
         self.register_parameter("weight", None)
+        self.kernel_cache = KernelCache()
         for name, (shape, tdtype) in spec.tensor_specs(out_features, in_features).items():
             self.register_buffer(name, torch.zeros(shape, dtype=tdtype, device=device))
         if bias:
@@ -227,8 +209,8 @@ class QuantLinear(nn.Linear):
         return self.format.dequantize(self.quantized_tensors(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T + b`` through the FP4 matmul backend for ``x``'s device."""
-        return get_fp4_matmul(x.device.type)(x, self)
+        """``x @ W^T + b`` (see the module docstring for how it runs)."""
+        return fp4_linear(x, self)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """Apply ``fn`` (``.to``, ``.cuda``, ``.half`` ...) without changing buffer dtypes.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from qerl.rl.logprobs import token_logprobs_and_entropy
 from qerl.rollout.base import RolloutBatch, SamplingParams
 
 
@@ -91,12 +92,11 @@ class HFGenerateEngine:
         )
         model.train(was_training)
         tokens = out.sequences[:, ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float()  # [N, T, V] raw (pre-processor) logits
+        logits = torch.stack(out.logits, dim=1)  # [N, T, V] raw (pre-processor) logits
         tokens = tokens[:, : logits.shape[1]]
         temp = 1.0 if sp.greedy else sp.temperature
-        logp_all = torch.log_softmax(logits / temp, dim=-1)
-        logprobs = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        logprobs, entropy = token_logprobs_and_entropy(logits, tokens, temp, chunk_size=1024)
+        del logits
         mask, truncated = completion_mask(tokens, sp.eos_token_ids)
         tokens = torch.where(mask.bool(), tokens, torch.full_like(tokens, sp.pad_token_id))
         index = torch.arange(len(prompts), device=tokens.device).repeat_interleave(sp.n) + offset

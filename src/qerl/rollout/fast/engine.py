@@ -1,0 +1,361 @@
+"""The fast rollout engine: static KV cache, CUDA-graph decode, 4-bit GEMMs from humming.
+
+Backends: ``triton`` (CUDA, bf16/fp16 models): prefill in eager torch (FP4 weights through the
+selected 4-bit backend, :mod:`qerl.kernels`), then every decode step is one CUDA graph replay of
+Triton kernels (RMSNorm fused with the residual add and the o / down epilogues, RoPE + cache
+write fused with the q/k/v epilogue, flash-decoding attention, SiLU-mul fused with the gate/up
+epilogue and down's LoRA shrink), the group GEMMs (humming: q/k/v and gate/up each one GEMM),
+cuBLAS for dense weights and the LM head, and sampling. ``torch`` (any device, no graphs): the same
+computation in plain torch; the CPU tests run it against transformers.
+
+LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): one shrink kernel
+per group (run on a side stream, overlapping the base GEMM) and the expand inside the consumer
+kernel. Adapter weights are copied at the start of every ``generate``; norm weights are read
+live, so AQN noise applied in place is seen by captured graphs; replaced tensors rebuild the plan.
+
+Waves: when the KV cache of all rows does not fit the memory budget (``kv_budget_gib``, else
+``kv_budget_fraction`` of the free device memory), rows run in waves of equal size (the last
+one padded with copies of its last row). Sampling uniforms are drawn once for the whole batch,
+one per row and step, so a row's result does not depend on how the batch was split.
+
+Log-prob convention (:mod:`qerl.rollout.base`): ``log_softmax(logits / T)[token]``, top-p not
+renormalised; greedy uses ``T = 1``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from qerl.kernels.backend import resolve_backend
+from qerl.kernels.dequant import reserve_scratch
+from qerl.rollout.base import RolloutBatch, SamplingParams
+from qerl.rollout.fast import decode
+from qerl.rollout.fast.gemm import GroupGemm
+from qerl.rollout.fast.kernels import HAS_TRITON
+from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
+from qerl.rollout.fast.sampling import sample_tokens
+from qerl.rollout.fast.state import State, new_state, record, reset_outputs
+from qerl.rollout.fast.torch_forward import TorchContext, forward_tokens
+
+__all__ = ["FastEngine", "FastRolloutEngine"]
+
+GiB = 1 << 30
+SAMPLING_BYTES_PER_LOGIT = 32  # float32 logits, softmax, sorted copy, int64 order, cumsum
+
+
+class FastEngine:
+    """Static-cache rollout engine (see the module docstring).
+
+    Args:
+        backend: ``auto`` (``triton`` on CUDA for bf16/fp16 models when Triton is installed, else
+            ``torch``), ``triton`` or ``torch``.
+        use_cuda_graph: capture the decode step as a CUDA graph (CUDA only).
+        check_every: decode steps between checks of "all rows done" (early exit; one host sync).
+        cache_multiple: KV capacity rounded up to this, so graphs are reused across calls.
+        kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
+            uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
+        lora_overlap: run the LoRA shrink kernels on a side stream (CUDA).
+    """
+
+    name = "fast"
+
+    def __init__(self, backend: str = "auto", use_cuda_graph: bool = True, check_every: int = 16,
+                 cache_multiple: int = 128, kv_budget_gib: float | None = None,
+                 kv_budget_fraction: float = 0.85, lora_overlap: bool = True) -> None:
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+        if kv_budget_gib is not None and not kv_budget_gib > 0:
+            raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
+        if not 0 < kv_budget_fraction <= 1:
+            raise ValueError(f"kv_budget_fraction must be in (0, 1], got {kv_budget_fraction}")
+        self.backend = backend
+        self.use_cuda_graph = use_cuda_graph
+        self.check_every = max(1, int(check_every))
+        self.cache_multiple = max(1, int(cache_multiple))
+        self.kv_budget_gib = kv_budget_gib
+        self.kv_budget_fraction = kv_budget_fraction
+        self.lora_overlap = lora_overlap
+        self._plan: Plan | None = None
+        self._gemms: dict[int, GroupGemm] | None = None
+        self._gemm_backend: str | None = None
+        self._state: State | None = None
+        self.last_stats: dict = {}
+        self.max_decode_steps: int | None = None  # benchmark warm-ups: stop early
+
+    # -- plan ---------------------------------------------------------------------------------
+
+    def _backend_for(self, plan: Plan) -> str:
+        if self.backend != "auto":
+            return self.backend
+        if plan.device.type == "cuda" and HAS_TRITON \
+                and plan.dtype in (torch.bfloat16, torch.float16):
+            return "triton"
+        return "torch"
+
+    def _get_plan(self, model: nn.Module) -> Plan:
+        """The cached plan if nothing it references changed (same tensors, same adapters)."""
+        new = build_plan(model)
+        old = self._plan
+        if old is not None and old.model_id == new.model_id and old.signature == new.signature \
+                and old.adapters == new.adapters:
+            return old
+        self._plan, self._gemms, self._state = new, None, None  # graphs point into the old plan
+        return new
+
+    def _get_gemms(self, plan: Plan) -> dict[int, GroupGemm] | None:
+        if plan.device.type != "cuda":
+            return None
+        fp4 = resolve_backend()
+        if self._gemms is None or self._gemm_backend != fp4:
+            self._gemms, self._state = None, None
+            self._gemms = {id(g): GroupGemm(g, fp4, plan.dtype) for g in plan.groups()}
+            self._gemm_backend = fp4
+        return self._gemms
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        if not prompt_ids:
+            raise ValueError("generate needs at least one prompt")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("fast engine: empty prompts are not supported")
+        was_training = model.training
+        model.eval()
+        try:
+            return self._generate(model, prompt_ids, sampling, generator)
+        finally:
+            model.train(was_training)
+
+    def wave_rows(self, plan: Plan, n_rows: int, slots: int, group: int) -> int:
+        """Rows per wave: all of them if their KV cache and sampling buffers fit the budget, else
+        as many as fit (whole prompt groups of ``group`` rows when at least one group fits)."""
+        per_row = plan.kv_bytes_per_row(slots) + SAMPLING_BYTES_PER_LOGIT * plan.vocab
+        if self.kv_budget_gib is not None:
+            budget = self.kv_budget_gib * GiB
+        elif plan.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(plan.device)
+            held = 0 if self._state is None else self._state.nbytes()
+            cached = torch.cuda.memory_reserved(plan.device) \
+                - torch.cuda.memory_allocated(plan.device)
+            budget = self.kv_budget_fraction * (free + cached + held)
+        else:
+            return n_rows
+        rows = min(n_rows, max(1, int(budget // per_row)))
+        return rows if rows < group or rows == n_rows else rows // group * group
+
+    def _generate(self, model, prompt_ids, sp: SamplingParams, generator) -> RolloutBatch:
+        t0 = time.perf_counter()
+        plan = self._get_plan(model)
+        backend = self._backend_for(plan)
+        gemms = self._get_gemms(plan)
+        refresh_lora(plan)
+        n, n_prompts = sp.n, len(prompt_ids)
+        N, T = n_prompts * n, sp.max_new_tokens
+        P = max(len(p) for p in prompt_ids)
+        cap = -(-(P + T) // self.cache_multiple) * self.cache_multiple
+        mode = "greedy" if sp.greedy else ("full" if sp.top_p >= 1.0 else "top_p")
+        if len(sp.eos_token_ids) > 8:
+            raise ValueError("fast engine: at most 8 EOS ids are supported")
+        dev = plan.device
+        if generator is not None:  # one uniform per row and step, whatever the waves
+            u = torch.rand((T, N), generator=generator, device=generator.device).to(dev)
+        else:
+            u = torch.rand((T, N), device=dev)
+        W = self.wave_rows(plan, N, cap, n)
+        st = self._get_state(plan, W, cap, T, mode, backend)
+        if gemms:  # compile the humming kernels of this call's row counts in parallel
+            _precompile(gemms, (W, -(-W // n) * P))
+        ctx = TorchContext(gemms=gemms)
+        rows_prompt = [i // n for i in range(N)]
+        parts, stats = [], {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
+        for lo in range(0, N, W):
+            idx = list(range(lo, min(lo + W, N)))
+            idx += [idx[-1]] * (W - len(idx))  # pad the last wave (outputs dropped)
+            out = self._run_wave(plan, st, ctx, backend, [prompt_ids[rows_prompt[i]] for i in idx],
+                                 u[:, idx], P, T, sp, stats)
+            keep = min(W, N - lo)
+            parts.append(tuple(t[:keep] for t in out))
+        width = max(p[0].shape[1] for p in parts)
+        cat = [torch.cat([_pad_cols(p[j], width, v) for p in parts])
+               for j, v in enumerate((sp.pad_token_id, 0.0, 0.0, 0.0))]
+        done = torch.cat([p[4] for p in parts])
+        if not sp.eos_token_ids:
+            done.zero_()
+        humming = sum(gm.humming is not None for gm in gemms.values()) if gemms else 0
+        self.last_stats = {"backend": backend, "fp4_backend": self._gemm_backend,
+                           "humming_groups": humming, "rows": N,
+                           "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
+                           "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None}
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
+            completion_ids=cat[0], completion_mask=cat[1], logprobs=cat[2], truncated=~done,
+            prompt_index=torch.arange(n_prompts).repeat_interleave(n),
+            extras={"entropy": cat[3], "engine_stats": dict(self.last_stats)})
+
+    # -- one wave -----------------------------------------------------------------------------
+
+    def _run_wave(self, plan: Plan, st: State, ctx: TorchContext, backend: str,
+                  prompts: list[list[int]], u: torch.Tensor, P: int, T: int,
+                  sp: SamplingParams, stats: dict) -> tuple[torch.Tensor, ...]:
+        """Prefill and decode ``st.n_rows`` rows; returns CPU (tokens, mask, logprobs, entropy,
+        done) of width ``used`` (the last step any row was live)."""
+        dev = plan.device
+        runs: list[list[int]] = []  # consecutive rows with the same prompt share one prefill
+        for p in prompts:
+            if runs and runs[-1][0] is p:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, 1])
+        ids = torch.full((len(runs), P), sp.pad_token_id, dtype=torch.long)
+        for i, (p, _) in enumerate(runs):
+            ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        counts = torch.tensor([c for _, c in runs], device=dev)
+        pad_u = torch.tensor([P - len(p) for p, _ in runs], dtype=torch.long, device=dev)
+        reset_outputs(st, sp, u, pad_u.repeat_interleave(counts))
+        _sync(dev)
+        tp0 = time.perf_counter()
+        logits = self._prefill(plan, st, ctx, ids.to(dev), pad_u, counts)
+        tok, lp, ent = sample_tokens(logits, st.u[0], st.temp, st.top_p, st.mode)
+        st.out_tok[:, 0], st.out_lp[:, 0], st.out_ent[:, 0] = tok, lp, ent
+        st.out_mask[:, 0] = 1.0
+        st.done.copy_((tok.unsqueeze(-1) == st.eos.unsqueeze(0)).any(-1))
+        st.tok.copy_(tok)
+        st.slot.fill_(P)
+        st.step.fill_(1)
+        _sync(dev)
+        tp1 = time.perf_counter()
+        steps = 0
+        if T > 1 and not bool(st.done.all()):
+            if backend == "triton":
+                steps = self._decode_graph(plan, st, ctx, T)
+            else:
+                steps = self._decode_torch(plan, st, ctx, T, P)
+        _sync(dev)
+        stats["prefill_s"] += tp1 - tp0
+        stats["decode_s"] += time.perf_counter() - tp1
+        stats["decode_steps"] += steps
+        mask = st.out_mask[:, :T]
+        used = int(mask.any(0).nonzero().max().item()) + 1 if bool(mask.any()) else 1
+        m = mask[:, :used]
+        outs = (st.out_tok[:, :used], m, st.out_lp[:, :used] * m, st.out_ent[:, :used] * m,
+                st.done)
+        return tuple(t.to("cpu", copy=True) for t in outs)  # the state is reused by next wave
+
+    def _prefill(self, plan: Plan, st: State, ctx: TorchContext, ids: torch.Tensor,
+                 pad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Prefill the unique prompts; their KV rows are replicated ``counts`` times."""
+        P = ids.shape[1]
+        if bool((counts == 1).all()):
+            return forward_tokens(plan, ctx, ids, 0, pad, st.k, st.v)
+        shape = (ids.shape[0], plan.n_kv, P, plan.head_dim)
+        kc = [torch.empty(shape, dtype=plan.dtype, device=plan.device) for _ in plan.layers]
+        vc = [torch.empty(shape, dtype=plan.dtype, device=plan.device) for _ in plan.layers]
+        logits = forward_tokens(plan, ctx, ids, 0, pad, kc, vc)
+        rep = torch.repeat_interleave(torch.arange(ids.shape[0], device=plan.device), counts)
+        for dst, src in zip(st.k + st.v, kc + vc, strict=True):
+            dst[:, :, :P] = src[rep]
+        return logits[rep]
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
+                   backend: str) -> State:
+        st = self._state
+        key = (plan.signature, backend, self._gemm_backend)
+        if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
+                and st.mode == mode and st.key == key:
+            return st
+        self._state = None
+        if plan.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._state = new_state(plan, key, rows, cap, T, mode,
+                                side_stream=self.lora_overlap and plan.device.type == "cuda")
+        return self._state
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def _decode_torch(self, plan: Plan, st: State, ctx: TorchContext, T: int, P: int) -> int:
+        steps, pad = 0, st.pad.long()
+        for t in range(1, T):
+            logits = forward_tokens(plan, ctx, st.tok.unsqueeze(1), P + t - 1, pad, st.k, st.v)
+            u = st.u.index_select(0, st.step).squeeze(0)
+            record(st, *sample_tokens(logits, u, st.temp, st.top_p, st.mode))
+            st.slot.add_(1)
+            st.step.add_(1)
+            steps += 1
+            if t % self.check_every == 0 and bool(st.done.all()):
+                break
+        return steps
+
+    def _decode_graph(self, plan: Plan, st: State, ctx: TorchContext, T: int) -> int:
+        if self.use_cuda_graph and plan.device.type == "cuda" and st.graph is None:
+            self._capture(plan, st, ctx)
+        steps = 0
+        for t in range(1, T):
+            if self.max_decode_steps is not None and steps >= self.max_decode_steps:
+                break
+            if st.graph is not None:
+                st.graph.replay()
+            else:
+                decode.step(plan, st, ctx)
+            steps += 1
+            if t % self.check_every == 0 and bool(st.done.all()):
+                break
+        return steps
+
+    def _capture(self, plan: Plan, st: State, ctx: TorchContext) -> None:
+        """Warm up (compiles the kernels) and capture one decode step as a CUDA graph."""
+        if ctx.gemms:
+            need = max(gm.max_scratch() for gm in ctx.gemms.values())
+            reserve_scratch(plan.device, plan.dtype, need)
+        saved = st.snapshot()
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    st.restore(saved)
+                    decode.step(plan, st, ctx)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            st.restore(saved)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                decode.step(plan, st, ctx)
+            torch.cuda.synchronize()
+            st.graph = g
+        except Exception as e:  # pragma: no cover - depends on the GPU stack
+            warnings.warn(f"fast engine: CUDA graph capture failed ({e!r}); decoding eagerly",
+                          stacklevel=3)
+            st.graph = None
+        finally:
+            st.restore(saved)
+
+
+def _precompile(gemms: dict[int, GroupGemm], rows: tuple[int, ...]) -> None:
+    jobs = [(gm.humming, m) for gm in gemms.values() for m in set(rows) if gm.uses_humming(m)]
+    if jobs:
+        from qerl.kernels.humming_gemm import precompile
+
+        precompile(jobs)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _pad_cols(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    return torch.cat([t, torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)], 1)
+
+
+#: alias (the issue calls it the fast rollout engine)
+FastRolloutEngine = FastEngine

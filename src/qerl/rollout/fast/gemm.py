@@ -1,0 +1,91 @@
+"""The base projections of one plan group on CUDA: raw outputs (no bias, no LoRA; with per-column
+scales still to apply when :attr:`GroupGemm.col_scale` is set).
+
+* all members FP4 of one format, backend ``humming``, at most ``humming_max_m()`` rows: one
+  humming GEMM for the whole group (q/k/v or gate/up stacked along N), prepared once per plan;
+* all members FP4 otherwise: the Triton (or torch) dequantize of every member into the shared
+  scratch, then one cuBLAS GEMM;
+* anything else member by member (dense ``F.linear``, FP4 through the scratch, other modules
+  called as is, which add their own bias).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from qerl.kernels import dequant
+from qerl.kernels.backend import humming_max_m
+from qerl.rollout.fast.plan import Group, Member
+
+__all__ = ["GroupGemm"]
+
+
+class GroupGemm:
+    """Runs ``x @ W_i^T`` for every member ``i`` of ``group`` (see the module docstring)."""
+
+    def __init__(self, group: Group, backend: str, dtype: torch.dtype) -> None:
+        self.group = group
+        self.backend = backend
+        self.dtype = dtype
+        self.humming = None
+        if backend == "humming" and group.all_fp4 and dtype in (torch.bfloat16, torch.float16):
+            from qerl.kernels import humming_gemm
+
+            try:
+                self.humming = humming_gemm.HummingFp4(
+                    group.members[0].fmt, [m.fp4_tensors() for m in group.members], dtype=dtype)
+            except Exception as e:  # noqa: BLE001 - degrade to the dequantize path, loudly
+                warnings.warn(f"humming could not prepare {group.members[0].name} "
+                              f"({type(e).__name__}: {e}); it runs through the Triton dequantize "
+                              "+ cuBLAS path", stacklevel=2)
+
+    @property
+    def col_scale(self) -> torch.Tensor | None:
+        """Per-column factors the consumer must apply to humming's output (else ``None``)."""
+        return None if self.humming is None else self.humming.col_scale
+
+    def uses_humming(self, rows: int) -> bool:
+        return self.humming is not None and 0 < rows <= humming_max_m()
+
+    def _impl(self) -> str:
+        return "triton" if dequant.HAS_TRITON and self.backend != "torch" else "torch"
+
+    def _dequantized(self, members: list[Member], device: torch.device) -> torch.Tensor:
+        """All ``members`` dequantized into consecutive rows of the shared scratch."""
+        w = dequant.scratch(device, self.dtype, sum(m.out_f for m in members), members[0].in_f)
+        row = 0
+        for m in members:
+            dequant.dequantize_into(w[row:row + m.out_f], m.fmt, *m.fp4_tensors(),
+                                    impl=self._impl())
+            row += m.out_f
+        return w
+
+    def raw(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x [M, K]`` -> the members' raw outputs ``[M, N_i]`` (views of one buffer when the
+        group runs as one GEMM)."""
+        g = self.group
+        if self.uses_humming(x.shape[0]):
+            y = self.humming(x if x.is_contiguous() else x.contiguous())
+            return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
+        if g.all_fp4:
+            y = F.linear(x, self._dequantized(g.members, x.device))
+            return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
+        outs = []
+        for m in g.members:
+            if m.kind == "dense":
+                outs.append(F.linear(x, m.weight))
+            elif m.kind == "fp4":
+                outs.append(F.linear(x, self._dequantized([m], x.device)))
+            else:
+                outs.append(m.module(x).to(x.dtype))
+        return outs
+
+    def max_scratch(self) -> int:
+        """Scratch elements this group's dequantize path needs."""
+        g = self.group
+        if g.all_fp4:
+            return g.out_f * g.in_f
+        return max((m.out_f * m.in_f for m in g.members if m.kind == "fp4"), default=0)

@@ -1,0 +1,118 @@
+"""Static decode state: every buffer a decode step reads or writes, allocated once per
+(plan, rows, capacity) so that a CUDA graph captured over it can be replayed for every wave."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qerl.rollout.base import SamplingParams
+from qerl.rollout.fast.kernels import down_splits, rank_pad, shrink_splits
+from qerl.rollout.fast.plan import Plan
+
+__all__ = ["State", "new_state", "record", "reset_outputs"]
+
+_STEP_FIELDS = ("tok", "slot", "step", "done", "out_tok", "out_lp", "out_mask", "out_ent")
+
+
+@dataclass
+class State:
+    key: tuple
+    n_rows: int
+    cap: int  # KV slots
+    t_cap: int  # max new tokens
+    mode: str
+    k: list
+    v: list
+    tok: torch.Tensor
+    slot: torch.Tensor
+    step: torch.Tensor
+    pad: torch.Tensor
+    done: torch.Tensor
+    u: torch.Tensor
+    temp: torch.Tensor
+    top_p: torch.Tensor
+    eos: torch.Tensor
+    pad_id: torch.Tensor
+    out_tok: torch.Tensor
+    out_lp: torch.Tensor
+    out_mask: torch.Tensor
+    out_ent: torch.Tensor
+    partials: dict = field(default_factory=dict)  # LoRA shrink partial sums per group kind
+    side: torch.cuda.Stream | None = None
+    graph: object = None
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [getattr(self, f).clone() for f in _STEP_FIELDS]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for f, src in zip(_STEP_FIELDS, saved, strict=True):
+            getattr(self, f).copy_(src)
+
+    def nbytes(self) -> int:
+        ts = self.k + self.v + list(self.partials.values())
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _partials(plan: Plan, rows: int, dev: torch.device) -> dict[str, torch.Tensor]:
+    """Float32 LoRA shrink buffers ``[S, rows, RP]`` per group kind (shared by all layers)."""
+    out = {}
+    lay = plan.layers[0]
+    for kind in ("qkv", "o", "gu", "down"):
+        g = getattr(lay, kind)
+        r = max(getattr(x, kind).r_total for x in plan.layers)
+        if r:
+            s = down_splits(g.in_f) if kind == "down" else shrink_splits(g.in_f)
+            out[kind] = torch.zeros((s, rows, rank_pad(r)), dtype=torch.float32, device=dev)
+    return out
+
+
+def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
+              side_stream: bool) -> State:
+    dev, dt = plan.device, plan.dtype
+    shape = (rows, plan.n_kv, cap, plan.head_dim)
+
+    def z(*s, dtype=torch.float32):
+        return torch.zeros(s, dtype=dtype, device=dev)
+
+    return State(
+        key=key, n_rows=rows, cap=cap, t_cap=T, mode=mode,
+        k=[torch.zeros(shape, dtype=dt, device=dev) for _ in plan.layers],
+        v=[torch.zeros(shape, dtype=dt, device=dev) for _ in plan.layers],
+        tok=z(rows, dtype=torch.long), slot=z(1, dtype=torch.int32), step=z(1, dtype=torch.long),
+        pad=z(rows, dtype=torch.int32), done=z(rows, dtype=torch.bool), u=z(T + 1, rows),
+        temp=torch.ones(1, device=dev), top_p=torch.ones(1, device=dev),
+        eos=torch.full((8,), -1, dtype=torch.long, device=dev), pad_id=z(1, dtype=torch.long),
+        out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
+        out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), partials=_partials(plan, rows, dev),
+        side=torch.cuda.Stream(dev) if side_stream else None)
+
+
+def reset_outputs(st: State, sp: SamplingParams, u: torch.Tensor, pad_rows: torch.Tensor) -> None:
+    """Load a wave's sampling settings, uniforms ``u [T, rows]`` and pad counts; clear outputs."""
+    st.temp.fill_(1.0 if sp.greedy else float(sp.temperature))
+    st.top_p.fill_(float(sp.top_p))
+    st.pad_id.fill_(int(sp.pad_token_id))
+    st.eos.fill_(-1)
+    if sp.eos_token_ids:
+        st.eos[: len(sp.eos_token_ids)] = torch.tensor(sp.eos_token_ids, dtype=torch.long)
+    st.u.zero_()
+    st.u[: u.shape[0]].copy_(u)
+    st.out_tok.fill_(int(sp.pad_token_id))
+    for t in (st.out_lp, st.out_mask, st.out_ent):
+        t.zero_()
+    st.pad.copy_(pad_rows.to(st.pad.dtype))
+
+
+def record(st: State, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor) -> None:
+    """Store one step's samples (finished rows get the pad token and zero log-prob / mask)."""
+    live = ~st.done
+    tok = torch.where(live, tok, st.pad_id.expand_as(tok))
+    idx = st.step
+    st.out_tok.index_copy_(1, idx, tok.unsqueeze(1))
+    st.out_lp.index_copy_(1, idx, (lp * live).unsqueeze(1))
+    st.out_ent.index_copy_(1, idx, (ent * live).unsqueeze(1))
+    st.out_mask.index_copy_(1, idx, live.to(st.out_mask.dtype).unsqueeze(1))
+    st.done.logical_or_((tok.unsqueeze(-1) == st.eos.unsqueeze(0)).any(-1))
+    st.tok.copy_(tok)

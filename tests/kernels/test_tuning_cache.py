@@ -1,0 +1,72 @@
+"""The humming tuning file (written atomically, read back per GPU, other humming versions
+ignored) and the per-row-count kernel choice, without the library (its version is stubbed)."""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from qerl.kernels import humming_gemm, tuning
+
+
+@pytest.fixture
+def tuning_file(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "t.json"
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    monkeypatch.setattr(tuning, "_humming_version", lambda: "9.9")
+    tuning._LOADED.clear()
+    yield path
+    tuning._LOADED.clear()
+
+
+def test_store_and_lookup_round_trip(tuning_file) -> None:
+    dev = torch.device("cpu")
+    assert tuning.lookup("nvfp4", 4608, 3584, torch.bfloat16, dev) == {}
+    tuning._store(tuning_file, tuning._key("nvfp4", 4608, 3584, torch.bfloat16),
+                  {64: {"block_shape": [64, 128, 128]}, 1: {"block_shape": [16, 64, 256]}},
+                  {"gpu": "test"})
+    assert not tuning_file.with_suffix(".tmp").exists()
+    got = tuning.lookup("nvfp4", 4608, 3584, torch.bfloat16, dev)
+    assert got == {1: {"block_shape": [16, 64, 256]}, 64: {"block_shape": [64, 128, 128]}}
+    assert tuning.lookup("mxfp4", 4608, 3584, torch.bfloat16, dev) == {}
+    tuning._store(tuning_file, tuning._key("mxfp4", 512, 256, torch.bfloat16), {8: {"a": 1}}, {})
+    assert tuning.lookup("nvfp4", 4608, 3584, torch.bfloat16, dev)  # earlier entry kept
+
+
+def test_other_humming_version_or_bad_file_is_ignored(tuning_file, monkeypatch) -> None:
+    tuning._store(tuning_file, tuning._key("nvfp4", 8, 16, torch.bfloat16), {4: {"a": 1}}, {})
+    monkeypatch.setattr(tuning, "_humming_version", lambda: "10.0")
+    tuning._LOADED.clear()
+    assert tuning.lookup("nvfp4", 8, 16, torch.bfloat16, torch.device("cpu")) == {}
+    tuning_file.write_text("{not json")
+    tuning._LOADED.clear()
+    assert tuning.lookup("nvfp4", 8, 16, torch.bfloat16, torch.device("cpu")) == {}
+
+
+def test_model_gemm_shapes_are_the_engine_groups() -> None:
+    assert tuning.model_gemm_shapes("7b") == [("qkv", 4608, 3584), ("o", 3584, 3584),
+                                              ("gate_up", 37888, 3584), ("down", 3584, 18944)]
+
+
+def test_config_string_is_canonical_json() -> None:
+    class Mode(enum.Enum):
+        WG = "wgmma"
+
+    s = humming_gemm.config_string({"b": (1, 2), "a": Mode.WG, "n": np.int64(3)})
+    assert s == '{"a": "wgmma", "b": [1, 2], "n": 3}' and json.loads(s)["n"] == 3
+    with pytest.raises(TypeError):
+        humming_gemm.config_string({"x": object()})
+
+
+def test_tuned_interval_choice() -> None:
+    """Tuned M values cover (previous tuned M, M]; the row counts a tuned entry serves."""
+    g = object.__new__(humming_gemm.HummingFp4)
+    g._tuned = {1: {"t": 1}, 64: {"t": 64}}
+    g._tuning = {}
+    assert json.loads(g.tuning_for(1)) == {"t": 1}
+    assert json.loads(g.tuning_for(2)) == {"t": 64}
+    assert json.loads(g.tuning_for(64)) == {"t": 64}

@@ -1,0 +1,159 @@
+"""The fast engine's Triton decode kernels against plain-torch references (fresh random inputs,
+outputs poisoned with NaN first). Run on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (the
+interpreter rounds float32 -> bf16 by truncation and mishandles bf16 dots, so CPU runs check
+float32 only; the GPU runs bf16, the model dtype)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+K = pytest.importorskip("qerl.rollout.fast.kernels")
+if not K.HAS_TRITON:
+    pytest.skip("needs Triton", allow_module_level=True)
+if torch.cuda.is_available():  # float32 dots run as tf32 there: bf16 only
+    DEV, DTYPES = "cuda", (torch.bfloat16,)
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEV, DTYPES = "cpu", (torch.float32,)
+else:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+TOL = {torch.bfloat16: 2e-2, torch.float32: 2e-5}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _group(m: int, n: int, r: int, dt, cs: bool, bias: bool, lora: bool, k: int = 64):
+    """Raw output, group vectors and a LoRA shrink (via the kernel) for an ``[m, n]`` output."""
+    g = torch.Generator(device=DEV).manual_seed(m * 1000 + n + r)
+    raw = torch.randn(m, n, device=DEV, generator=g).to(dt)
+    vec = {"col_scale": torch.rand(n, device=DEV, generator=g) + 0.5 if cs else None,
+           "bias": torch.randn(n, device=DEV, generator=g).to(dt) if bias else None}
+    x = torch.randn(m, k, device=DEV, generator=g).to(dt)
+    a = (torch.randn(r, k, device=DEV, generator=g) * 0.2).to(dt)
+    b = (torch.randn(n, r, device=DEV, generator=g) * 0.2).to(dt)
+    part = None
+    if lora:
+        part = torch.full((K.shrink_splits(k), m, K.rank_pad(r)), float("nan"), device=DEV)
+        K.lora_shrink(x, a, part)
+    ref = raw.float()
+    if cs:
+        ref = ref * vec["col_scale"]
+    if bias:
+        ref = ref + vec["bias"].float()
+    if lora:
+        ref = ref + ((x @ a.t()).float() @ b.float().t())
+    epi = K.Epilogue(raw=raw, col_scale=vec["col_scale"], bias=vec["bias"], partials=part,
+                     lora_b=b if lora else None, rank=r)
+    return epi, ref, (x, a)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m,k,r", [(1, 64, 8), (5, 200, 32), (40, 96, 20)])
+def test_lora_shrink_partials_sum_to_x_at(dt, m, k, r) -> None:
+    g = torch.Generator(device=DEV).manual_seed(k)
+    x = torch.randn(m, k, device=DEV, generator=g).to(dt)
+    a = torch.randn(r, k, device=DEV, generator=g).to(dt)
+    part = torch.full((K.shrink_splits(k), m, K.rank_pad(r)), float("nan"), device=DEV)
+    K.lora_shrink(x, a, part)
+    total = part.sum(0)
+    assert torch.isfinite(total).all() and (total[:, r:] == 0).all()
+    assert _rel(total[:, :r], x.float() @ a.float().t()) < 1e-5 + (dt != torch.float32) * 5e-3
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("cs,bias,lora", [(False, False, False), (True, True, True),
+                                          (False, True, True)])
+def test_add_rmsnorm_with_epilogue(dt, cs, bias, lora) -> None:
+    m, hid = 6, 320
+    epi, d_ref, _ = _group(m, hid, 12, dt, cs, bias, lora)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    h = torch.randn(m, hid, device=DEV, generator=g).to(dt)
+    w = (torch.rand(hid, device=DEV, generator=g) + 0.5).to(dt)
+    h_ref = (h.float() + d_ref.to(dt).float()).to(dt)
+    hf = h_ref.float()
+    x_ref = w.float() * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt).float()
+    x = K.add_rmsnorm(h, w, 1e-6, epi)
+    assert _rel(h, h_ref) < TOL[dt] and _rel(x, x_ref) < TOL[dt]
+    x0 = K.add_rmsnorm(h.clone(), w, 1e-6, None)  # no add: plain RMSNorm of h
+    hf = h.float()
+    assert _rel(x0, w.float() * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6))) \
+        < TOL[dt]
+
+
+def _rot(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m,hq,hkv,d,lora", [(3, 4, 2, 32, True), (20, 6, 2, 16, False),
+                                             (33, 4, 4, 64, True)])
+def test_qkv_rope_writes_rotated_cache(dt, m, hq, hkv, d, lora) -> None:
+    n = (hq + 2 * hkv) * d
+    epi, ref, _ = _group(m, n, 24, dt, True, True, lora)
+    raw = epi.raw
+    qv, kv, vv = raw[:, :hq * d], raw[:, hq * d:(hq + hkv) * d], raw[:, (hq + hkv) * d:]
+    epi.raw = qv
+    cap, slot = 16, 9
+    kc = torch.full((m, hkv, cap, d), float("nan"), device=DEV, dtype=dt)
+    vc = torch.full_like(kc, float("nan"))
+    pad = torch.randint(0, 5, (m,), device=DEV, dtype=torch.int32)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    qo = K.qkv_rope(epi, kv, vv, kc, vc, inv, torch.tensor([slot], device=DEV, dtype=torch.int32),
+                    pad, 1.0, hq, hkv, d)
+    pos = (slot - pad).float()
+    f = pos[:, None] * inv[None, :]
+    cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
+    full = ref.to(dt).float()
+    q = full[:, :hq * d].view(m, hq, d)
+    k = full[:, hq * d:(hq + hkv) * d].view(m, hkv, d)
+    v = full[:, (hq + hkv) * d:].view(m, hkv, d)
+    assert _rel(qo, q * cos + _rot(q) * sin) < TOL[dt]
+    assert _rel(kc[:, :, slot], k * cos + _rot(k) * sin) < TOL[dt]
+    assert _rel(vc[:, :, slot], v) < TOL[dt]
+    assert torch.isnan(kc[:, :, :slot]).all()  # nothing else written
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_attention_over_filled_slots(dt) -> None:
+    m, hq, hkv, d, cap, slot = 5, 8, 2, 32, 80, 70
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q = torch.randn(m, hq, d, device=DEV, generator=g).to(dt)
+    kc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
+    vc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
+    kc[:, :, slot + 1:] = float("nan")  # never read
+    pad = torch.tensor([0, 3, 64, 10, 69], device=DEV, dtype=torch.int32)
+    out = K.attention(q, kc, vc, torch.tensor([slot], device=DEV, dtype=torch.int32), pad, 0.2)
+    ref = torch.empty(m, hq, d, device=DEV)
+    for b in range(m):
+        lo = int(pad[b])
+        kk = kc[b, :, lo:slot + 1].float().repeat_interleave(hq // hkv, 0)
+        vv = vc[b, :, lo:slot + 1].float().repeat_interleave(hq // hkv, 0)
+        w = torch.softmax((q[b].float().unsqueeze(1) @ kk.transpose(1, 2)) * 0.2, -1)
+        ref[b] = (w @ vv).squeeze(1)
+    assert _rel(out, ref.reshape(m, hq * d)) < TOL[dt]
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m,inter,down", [(4, 200, True), (17, 128, False), (64, 384, True)])
+def test_silu_mul_epilogue_and_down_shrink(dt, m, inter, down) -> None:
+    epi, ref, _ = _group(m, 2 * inter, 16, dt, True, True, True)
+    raw = epi.raw
+    epi.raw, up = raw[:, :inter], raw[:, inter:]
+    full = ref.to(dt).float()
+    act_ref = (F.silu(full[:, :inter]).to(dt).float() * full[:, inter:]).to(dt)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    ad = (torch.randn(8, inter, device=DEV, generator=g) * 0.1).to(dt) if down else None
+    pd = torch.full((K.down_splits(inter), m, 16), float("nan"), device=DEV) if down else None
+    act = K.silu_mul(epi, up, ad, pd)
+    assert _rel(act, act_ref) < TOL[dt]
+    if down:
+        total = pd.sum(0)
+        assert _rel(total[:, :8], act.float() @ ad.float().t()) < TOL[dt]
+        assert (total[:, 8:] == 0).all()
