@@ -25,7 +25,7 @@ for phase in $PHASES; do
         tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing ;;
     tune)
-      timeout 150 python3 -m qerl.kernels.tuning --models 7b --formats nvfp4,mxfp4 --ms 1,64 \
+      timeout 150 python3 -m qerl.kernels.tune --models 7b --formats nvfp4,mxfp4 --ms 1,64 \
         --budget-s 120 ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 \

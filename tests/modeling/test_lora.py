@@ -12,7 +12,7 @@ from qerl.modeling.loader import load_policy_base
 from qerl.modeling.lora import apply_lora, check_lora_targets, to_peft_config
 from qerl.params import ALL_PROJECTIONS
 from qerl.params import LoraParams as LoraSettings
-from qerl.quant.linear import quant_report
+from qerl.quant.report import quant_report
 from qerl.validation import validate_block
 
 torch.set_num_threads(1)

@@ -11,8 +11,8 @@ from torch import nn
 from qerl.errors import QerlConfigError
 from qerl.modeling.loader import load_policy_base
 from qerl.modeling.lora import apply_lora
-from qerl.params import LoraParams
 from qerl.modeling.random_init import QWEN25, build_random_policy_base, qwen25_config
+from qerl.params import LoraParams
 from qerl.quant.linear import QuantLinear, quantize_model_
 
 torch.set_num_threads(1)

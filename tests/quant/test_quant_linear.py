@@ -10,12 +10,8 @@ from torch import nn
 
 from qerl.errors import QerlConfigError
 from qerl.quant.formats import FORMATS
-from qerl.quant.linear import (
-    QuantLinear,
-    module_matches,
-    quant_report,
-    quantize_model_,
-)
+from qerl.quant.linear import QuantLinear, module_matches, quantize_model_
+from qerl.quant.report import quant_report
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,5 @@
-"""Tuning humming's FP4 GEMM kernels for the decode shapes of our models, cached per GPU.
+"""The per-GPU cache of tuned humming FP4 GEMM configs (read by ``qerl.kernels.humming_gemm``);
+the tuner that fills it is :mod:`qerl.kernels.tune`.
 
 For one GEMM shape (format, N, K) and a few decode row counts M, the candidates are humming's
 heuristic choice at each M and its neighbours (pipeline stages, CTAs per SM, stream-K on/off,
@@ -10,22 +11,19 @@ launch), and the fastest per M is kept; illegal candidates fail to compile and a
 ``$XDG_CACHE_HOME/qerl/humming_tuning_<gpu>.json``, ``~/.cache`` by default), keyed by
 ``<fmt>:<N>x<K>:<dtype>``; entries from another humming version are ignored.
 
-    python -m qerl.kernels.tuning --models 7b,32b --formats nvfp4,mxfp4 --ms 1,32,64,128
+    python -m qerl.kernels.tune --models 7b,32b --formats nvfp4,mxfp4 --ms 1,32,64,128
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-__all__ = ["MODEL_SHAPES", "cache_path", "lookup", "model_gemm_shapes", "tune_shape"]
+__all__ = ["MODEL_SHAPES", "cache_path", "lookup", "model_gemm_shapes"]
 
 ENV_VAR = "QERL_HUMMING_TUNING"
 
@@ -92,125 +90,3 @@ def _store(path: Path, key: str, best: dict[int, dict], meta: dict) -> None:
                               indent=1, sort_keys=True))
     os.replace(tmp, path)  # never a half-written file
     _LOADED.pop(str(path), None)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
-def neighbours(cfg: dict) -> list[dict]:
-    """``cfg`` and its one-step variations (the tuner's candidates around a heuristic choice)."""
-    out = [cfg]
-    for key, values in (("num_stages", (3, 4, 6)), ("num_ctas_per_sm", (1, 2)),
-                        ("use_stream_k", (True, False))):
-        out += [{**cfg, key: v} for v in values if cfg.get(key) != v]
-    bs, ws = list(cfg["block_shape"]), list(cfg["warp_shape"])
-    out += [{**cfg, "block_shape": [bs[0], bn, bs[2]]} for bn in (128, 256) if bn != bs[1]]
-    out += [{**cfg, "block_shape": [bs[0], bs[1], bk],
-             "warp_shape": [ws[0], ws[1], bk] if ws[2] == bs[2] else ws}
-            for bk in (64, 128) if bk != bs[2]]
-    return out
-
-
-def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
-               dtype: torch.dtype = torch.bfloat16, log=print) -> dict:
-    """Tune one GEMM shape on the current GPU; returns ``{M: {"config", "us", "heuristic_us"}}``
-    and writes the winners to :func:`cache_path`."""
-    import triton
-    from humming.config import ComputeConfig
-    from humming.kernel.humming import HummingKernel
-    from humming.testing.tuning import sample_test_tuning_configs
-    from humming.tune import get_heuristics_config
-
-    from qerl.kernels.humming_gemm import HummingFp4, config_string
-    from qerl.quant.formats import FORMATS
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    w = torch.randn(n, k, device=dev) * 0.02
-    t = FORMATS[fmt].quantize(w)
-    del w
-    gemm = HummingFp4(fmt, [(t["weight_packed"], t["weight_scale"],
-                             t.get("weight_global_scale"))], dtype=dtype)
-    lc = gemm.layer_config()
-    heur = {m: get_heuristics_config(lc, shape_m=m, device=dev) for m in ms}
-    cands = [c for h in heur.values() for c in neighbours(dict(h))]
-    if samples:
-        cands += sample_test_tuning_configs(lc, ComputeConfig(gemm_type="dense"),
-                                            sample_size=samples)
-    unique = {config_string(c): c for c in cands}
-    t0 = time.perf_counter()
-
-    def compile_one(s: str) -> str | None:
-        try:
-            HummingKernel.prepare_kernels(lc.to_str(), None, s, device=dev)
-            return s
-        except Exception:  # noqa: BLE001 - an illegal candidate
-            return None
-
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        legal = [s for s in pool.map(compile_one, unique) if s is not None]
-    log(f"  {fmt} {n}x{k}: {len(legal)} of {len(unique)} candidates compiled in "
-        f"{time.perf_counter() - t0:.1f}s")
-    result = {}
-    for m in ms:
-        x = torch.randn(m, k, device=dev, dtype=dtype)
-        ref = gemm(x, tuning=config_string(heur[m]))
-        timings = []
-        for s in legal:
-            try:
-                y = gemm(x, tuning=s)
-                err = _rel(y, ref)
-                if not err < 2e-2:
-                    log(f"    M={m}: candidate rejected, rel err {err:.3g}")
-                    continue
-                us = triton.testing.do_bench(lambda s=s, x=x: gemm(x, tuning=s), warmup=5, rep=25,
-                                             return_mode="median") * 1e3
-            except Exception as e:  # noqa: BLE001 - illegal candidates are skipped
-                log(f"    M={m}: candidate failed: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            timings.append((us, s))
-        timings.sort()
-        if not timings:
-            log(f"    M={m}: no candidate ran; kept humming's heuristic")
-            continue
-        h_us = next((u for u, s in timings if s == config_string(heur[m])), None)
-        best_us, best = timings[0]
-        result[m] = {"config": json.loads(best), "us": best_us, "heuristic_us": h_us}
-        log(f"    M={m}: best {best_us:.1f} us (heuristic {h_us if h_us is None else round(h_us, 1)}"
-            f" us) of {len(timings)}")
-    if result:
-        _store(cache_path(dev), _key(fmt, n, k, dtype),
-               {m: r["config"] for m, r in result.items()}, {"gpu": torch.cuda.get_device_name(dev)})
-    return result
-
-
-def main() -> None:  # pragma: no cover - GPU only
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="7b,32b")
-    ap.add_argument("--formats", default="nvfp4,mxfp4")
-    ap.add_argument("--ms", default="1,32,64,128")
-    ap.add_argument("--samples", type=int, default=0, help="extra candidates from humming's sampler")
-    ap.add_argument("--budget-s", type=float, default=600.0, help="stop after this long")
-    ap.add_argument("--json", default=None, help="also write the timings here")
-    args = ap.parse_args()
-    ms = [int(m) for m in args.ms.split(",")]
-    t0, report = time.perf_counter(), []
-    shapes = dict.fromkeys((n, k) for mdl in args.models.split(",")
-                           for _, n, k in model_gemm_shapes(mdl))
-    for fmt in args.formats.split(","):
-        for n, k in shapes:
-            if time.perf_counter() - t0 > args.budget_s:
-                print(f"budget of {args.budget_s:.0f}s spent; {fmt} {n}x{k} not tuned", flush=True)
-                continue
-            res = tune_shape(fmt, n, k, ms, args.samples, log=lambda s: print(s, flush=True))
-            report.append({"fmt": fmt, "n": n, "k": k,
-                           **{str(m): {"us": r["us"], "heuristic_us": r["heuristic_us"]}
-                              for m, r in res.items()}})
-            if args.json:
-                Path(args.json).write_text(json.dumps({"cache": str(cache_path()),
-                                                       "shapes": report}, indent=1))
-    print(f"tuning file: {cache_path()}", flush=True)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -53,12 +53,8 @@ from qerl.modeling.skeleton import (
 )
 from qerl.modeling.weights import iter_tensors
 from qerl.quant.formats import QUANT_FORMATS
-from qerl.quant.linear import (
-    check_on_indivisible,
-    layer_report_row,
-    plan_quantization,
-    quant_report,
-)
+from qerl.quant.linear import check_on_indivisible, plan_quantization
+from qerl.quant.report import layer_report_row, quant_report
 
 __all__ = [
     "QUANT_FORMATS",
@@ -110,7 +106,7 @@ def load_policy_base(
 
     Returns:
         ``(model, tokenizer, report_rows)``; the model is in eval mode; ``report_rows`` has one
-        row per linear layer (see :func:`qerl.quant.linear.quant_report`), with ``rel_error``
+        row per linear layer (see :func:`qerl.quant.report.quant_report`), with ``rel_error``
         measured against the checkpoint's weights.
 
     Raises:

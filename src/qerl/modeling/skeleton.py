@@ -20,7 +20,8 @@ from torch import nn
 
 from qerl.errors import QerlConfigError
 from qerl.modeling.weights import iter_tensors
-from qerl.quant.linear import QuantLinear, layer_report_row, set_submodule
+from qerl.quant.linear import QuantLinear, set_submodule
+from qerl.quant.report import layer_report_row
 
 __all__ = [
     "build_skeleton",

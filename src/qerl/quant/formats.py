@@ -70,12 +70,9 @@ __all__ = [
     "unpack_fp4",
 ]
 
+#: Every ``quant.format``: the bf16/fp32 baseline, bitsandbytes' two, ours (the one list of them).
 QUANT_FORMATS: tuple[str, ...] = ("none", "nf4", "fp4", "nvfp4", "mxfp4")
-"""Every ``quant.format`` value: ``none`` (the bf16/fp32 LoRA baseline), bitsandbytes ``nf4`` / ``fp4``,
-and our own ``nvfp4`` / ``mxfp4``. The one list of formats; everything else imports it."""
-
-FP4_FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
-"""The formats this module implements (stored in the compressed-tensors layout)."""
+FP4_FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")  # implemented here, in the compressed-tensors layout
 
 E2M1_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -92,7 +89,6 @@ _TIES_UP: tuple[float, ...] = (0.75, 1.75, 3.5)
 
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
-
 
 # --------------------------------------------------------------------------- E2M1 elements
 
@@ -312,14 +308,10 @@ class Fp4Format:
     """One of our FP4 weight formats: its layout, codec and storage accounting.
 
     Attributes:
-        name: registry key ("nvfp4" or "mxfp4").
-        block_size: elements sharing one block scale (along the input dimension).
-        scale_dtype: dtype of ``weight_scale``.
+        name / block_size / scale_dtype: "nvfp4" or "mxfp4", elements per block scale, its dtype.
         tensor_names: buffer names, in the order ``dequantize_fn`` takes them.
-        ct_format: the compressed-tensors ``format`` string for checkpoints.
-        ct_strategy: the compressed-tensors weight ``strategy``.
-        quantize_fn: ``w -> {name: tensor}``.
-        dequantize_fn: ``(*tensors, dtype=...) -> w``.
+        ct_format / ct_strategy: the compressed-tensors ``format`` and weight ``strategy``.
+        quantize_fn / dequantize_fn: ``w -> {name: tensor}`` / ``(*tensors, dtype=...) -> w``.
     """
 
     name: str
@@ -403,7 +395,6 @@ FORMATS: dict[str, Fp4Format] = {
 
 def get_format(name: str) -> Fp4Format:
     """Look up a format by name; ``KeyError`` lists the known ones."""
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise KeyError(f"unknown FP4 format {name!r}; known: {sorted(FORMATS)}") from None
+    if name not in FORMATS:
+        raise KeyError(f"unknown FP4 format {name!r}; known: {sorted(FORMATS)}")
+    return FORMATS[name]
