@@ -29,7 +29,7 @@ PARAMS="$PARAMS,${QERL_SMOKE_EXTRA:-qerl.rl.entropy_coef=0.01}"
 ENGINE=${QERL_SMOKE_ENGINE:-auto}
 TIMER=""; [ -x /usr/bin/time ] && TIMER="/usr/bin/time -v"
 train() {  # train <engine>: the preset run, log in $OUT/run.log
-  $TIMER python3 -m kedro run -e gpu_paper --pipeline=qerl_train \
+  $TIMER python3 -m kedro run -e gpu_paper --pipelines=qerl_train \
     --params "$PARAMS,qerl.rollout.engine=$1" 2>&1 | tee "$OUT/run.log"
 }
 if ! train "$ENGINE"; then
@@ -42,7 +42,8 @@ python3 - "$OUT" <<'PY'
 import glob, sys, pandas as pd
 out = sys.argv[1]
 m = pd.read_parquet(sorted(glob.glob("data/08_reporting/training_metrics.parquet/*/*.parquet"))[-1])
-cols = ["step", "reward_mean", "entropy", "sigma", "tokens_per_s", "t_generate", "t_update", "peak_mem_gib", "logprob_gap_mean"]
+cols = ["step", "reward/mean", "rollout/entropy", "noise/sigma", "rollout/tokens_per_s", "time/generate", "time/update",
+        "memory/peak_gib", "mismatch/kl", "mismatch/logprob_gap_mean"]
 print(m[cols].to_string(index=False)); m.to_csv(f"{out}/training_metrics.csv", index=False)
 e = pd.read_csv(sorted(glob.glob("data/08_reporting/evaluation.csv/*/*.csv"))[-1]); print(e.to_string(index=False))
 n = pd.read_parquet(sorted(glob.glob("data/08_reporting/noise_metrics.parquet/*/*.parquet"))[-1]); print(n.to_string(index=False))

@@ -67,7 +67,7 @@ def main() -> None:
         "pass1_after": float(ev.loc["after", "pass@1_greedy"]),
         f"pass{k}_before": float(ev.loc["before", f"pass@{k}"]),
         f"pass{k}_after": float(ev.loc["after", f"pass@{k}"]),
-        "rl_seconds": float((metrics["t_generate"] + metrics["t_score"] + metrics["t_update"]).sum()),
+        "rl_seconds": float(metrics["time/step"].sum()),
     }
     result["gain_points"] = round(100 * (result["pass1_after"] - result["pass1_before"]), 1)
     width = max(len(k) for k in result)

@@ -65,7 +65,7 @@ def main() -> None:
         from qerl.study.summary import first_step_reaching
 
         metrics = pd.read_parquet(newest(rep / "quant_study_metrics.parquet"))
-        steps = {k: first_step_reaching(m, "reward_mean", args.threshold) for k, m in metrics.groupby(["variant", "seed"])}
+        steps = {k: first_step_reaching(m, "reward/mean", args.threshold) for k, m in metrics.groupby(["variant", "seed"])}
         runs["steps_to_threshold"] = [steps[(v, s)] for v, s in zip(runs["variant"], runs["seed"], strict=True)]
     sources = [str(runs_file)]
     if args.replace_into:

@@ -26,7 +26,11 @@ class QerlHooks:
         from qerl.atomic import recover
         from qerl.validation import validate_all
 
-        validate_all(dict(context.config_loader["parameters"]))  # one clear line on the first bad value
+        blocks = validate_all(dict(context.config_loader["parameters"]))  # one clear line on the first bad value
+        if "qerl" in blocks:
+            from qerl.kernels import resolve_backend
+
+            resolve_backend(blocks["qerl"].quant.backend)  # an unavailable backend is refused up front
         recover(Path(context.project_path) / "data")
         threads = os.environ.get("QERL_NUM_THREADS")
         if threads:

@@ -19,6 +19,7 @@ import torch
 
 from qerl.atomic import atomic_directory
 from qerl.errors import QerlConfigError
+from qerl.kernels import use_backend
 from qerl.modeling.loader import load_policy_base, load_quantized, resolve_device, save_quantized
 from qerl.modeling.lora import apply_lora
 from qerl.quant.formats import FP4_FORMATS
@@ -109,7 +110,9 @@ def build_policy(
     seed: int | None = 0,
 ) -> tuple[Policy, list[dict[str, Any]]]:
     """Load + quantize the base layer by layer, then attach a fresh LoRA adapter (its random
-    initialisation drawn from ``seed``). Returns the policy and the per-layer quantization report."""
+    initialisation drawn from ``seed``). Returns the policy and the per-layer quantization report.
+    ``quant.backend`` selects the CUDA FP4 matmul for the process (``qerl.kernels.use_backend``)."""
+    use_backend(quant.backend)
     device = device_of(model.device)
     dtype = resolve_dtype(model.dtype, device)
     base, tokenizer, report = load_policy_base(
