@@ -130,7 +130,7 @@ def one_step(policy: Policy, step: int, args, rl: RLParams, rollout: RolloutPara
                             "answer": "0", "task": "random", "metadata": "{}"})
     sampling = SamplingParams(n=args.group, temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
                               eos_token_ids=(), pad_token_id=0)
-    engine = get_engine(rollout.engine, policy.device)
+    engine = get_engine(rollout.engine, policy.device, rollout.kv_budget_gib)
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     _sync()

@@ -14,12 +14,13 @@ ENGINES = ("auto", "hf", "fast")
 
 
 @functools.lru_cache(maxsize=8)
-def get_engine(name: str, device: torch.device) -> RolloutEngine:
+def get_engine(name: str, device: torch.device, kv_budget_gib: float | None = None) -> RolloutEngine:
     """``hf``: transformers generate; ``fast``: our static-cache engine (CUDA graphs on GPU, plain
-    torch on CPU); ``auto``: fast on CUDA, hf on CPU.
+    torch on CPU); ``auto``: fast on CUDA, hf on CPU. ``kv_budget_gib`` (``rollout.kv_budget_gib``):
+    the fast engine runs the batch in waves whose KV cache fits it.
 
-    One engine per (name, device) for the process: the fast engine keeps its KV cache, plan and
-    captured graphs across RL steps instead of rebuilding them every step.
+    One engine per (name, device, budget) for the process: the fast engine keeps its KV cache, plan
+    and captured graphs across RL steps instead of rebuilding them every step.
     """
     if name not in ENGINES:
         raise QerlConfigError("rollout.engine", f"unknown engine {name!r}", f"use one of {', '.join(ENGINES)}")
@@ -27,7 +28,7 @@ def get_engine(name: str, device: torch.device) -> RolloutEngine:
         return HFGenerateEngine()
     from qerl.rollout.fast import FastEngine
 
-    return FastEngine()
+    return FastEngine(kv_budget_gib=kv_budget_gib)
 
 
 __all__ = ["ENGINES", "HFGenerateEngine", "RolloutBatch", "RolloutEngine", "SamplingParams", "get_engine"]

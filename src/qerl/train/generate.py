@@ -94,7 +94,7 @@ def rollout_step(
     prompts = prompts.iloc[kept].reset_index(drop=True)
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               eos_token_ids=policy.eos_token_ids, pad_token_id=policy.pad_token_id)
-    engine = engine or get_engine(r.engine, policy.device)
+    engine = engine or get_engine(r.engine, policy.device, r.kv_budget_gib)
     t0 = time.perf_counter()
     with aqn_noise(policy.model, sigma, generator(seed, step, "aqn", policy.device)) as noise:
         batch = engine.generate(policy.model, ids, sampling, generator(seed, step, "sampling"))
