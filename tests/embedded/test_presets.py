@@ -52,3 +52,17 @@ def test_held_out_prompts_of_another_task_are_refused(presets):
                                 "{question}\n", "", eval_size=5)[1]
     with pytest.raises(QerlConfigError, match="data.sources"):
         build_sft_set(other, TinyModelParams.model_validate({"task": {"preset": "chain_sum_2x2"}}), presets)
+
+
+def test_write_env_runs_a_preset_with_todays_pipelines(presets, tmp_path):
+    from qerl.embedded.presets import main
+
+    main(["leg_counting", str(tmp_path / "leg"), str(ROOT / "conf" / "base" / "parameters_embedded_tasks.yml")])
+    read = {f.name: yaml.safe_load(f.read_text()) for f in (tmp_path / "leg").iterdir()}
+    assert DataParams.model_validate(read["parameters_data_prep.yml"]["data"]).sources[0]["name"] == "leg_counting"
+    assert read["parameters_embedded_model.yml"] == {"embedded_model": {"task": {"preset": "leg_counting"}}}
+    qerl = read["parameters_qerl_train.yml"]["qerl"]
+    assert qerl["rollout"]["max_new_tokens"] == 48 and qerl["rl"]["run_name"] == "embedded_leg_counting"
+    with pytest.raises(QerlConfigError, match="embedded_model.task.preset"):
+        main(["leg_count", str(tmp_path / "x"), str(ROOT / "conf" / "base" / "parameters_embedded_tasks.yml")])
+    assert not (tmp_path / "x").exists()

@@ -52,6 +52,8 @@ def test_other_kinds():
     assert TRACES["solve"](eq) == "-51-5=-56,-56/-8=7"
     assert TRACES["solve"]({"metadata": {"equation": "7*m = 35", "variable": "m"}}) == "35/7=5"
     assert TRACES["spell"]({"metadata": {"word": "bliss"}}) == "b1l2i3s4s5"
+    span = {"metadata": {"span": ["Rabbit", "cat", "Bob"], "target_letter": "b"}}
+    assert TRACES["letters"](span) == "Rabbit:2,Bob:2;2+2=4"
     assert TRACES["column"]({"metadata": {}}) is None
     with pytest.raises(QerlConfigError, match="embedded_model.task.trace"):
         get_trace("colum")
@@ -69,7 +71,8 @@ def _true(expr: str, value: str) -> bool:
 
 @pytest.mark.parametrize(
     "name",
-    ["chain_sum_2x2", "chain_sum_4x1", "chain_sum_2x3", "chain_sum_3x2", "leg_counting", "simple_equations", "spell_backward"],
+    ["chain_sum_2x2", "chain_sum_4x1", "chain_sum_2x3", "chain_sum_3x2", "leg_counting", "simple_equations",
+     "spell_backward", "letter_counting"],
 )
 def test_every_preset_trace_is_correct(presets, name):
     params = resolve_params(TinyModelParams.model_validate({"task": {"preset": name, "trace_fraction": 1.0}}), presets)
@@ -86,6 +89,11 @@ def test_every_preset_trace_is_correct(presets, name):
         assert score(extract_answer(comp), entry) == 1.0, (entry["question"], comp)
         for expr, value in _EQ.findall(think):  # and so is every step written in the trace
             assert _true(expr, value), (think, expr, value)
+        if task.trace == "letters" and think:
+            hits = [re.fullmatch(r"(.*):(\d+)", h).groups() for h in think.split(";")[0].split(",")]
+            letter = entry["metadata"]["target_letter"]
+            assert all(w.lower().count(letter) == int(n) for w, n in hits)
+            assert sum(int(n) for _, n in hits) == int(entry["answer"])
         if task.trace in ("steps", "legs", "solve") and think:
             assert Fraction(think.rsplit("=", 1)[1]) == Fraction(entry["answer"])
         if task.trace == "column":

@@ -17,6 +17,7 @@ the preset's (:func:`resolve_params`); :func:`data_params` and :func:`qerl_overr
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,3 +89,43 @@ def data_params(presets: Mapping[str, Any], name: str, params: TinyModelParams |
 def qerl_overrides(presets: Mapping[str, Any], name: str) -> dict[str, Any]:
     """Preset ``name``'s partial ``qerl`` block (lay it under the user's ``qerl`` parameters)."""
     return copy.deepcopy(dict(get_preset(presets, name).get("qerl") or {}))
+
+
+def write_env(presets: Mapping[str, Any], name: str, env_dir: str | Path, qerl_base: Mapping[str, Any] | None = None) -> Path:
+    """Write a Kedro env folder that runs preset ``name`` end to end with today's pipelines:
+    ``parameters_data_prep.yml`` (:func:`data_params`), ``parameters_embedded_model.yml`` (the
+    preset) and ``parameters_qerl_train.yml`` (:func:`qerl_overrides` over ``qerl_base``, with its
+    own ``rl.run_name``). ``kedro run --pipeline=embedded_model -e ENV`` then
+    ``kedro run --pipeline=qerl_train -e ENV``. Returns the folder."""
+    import yaml
+
+    get_preset(presets, name)
+    out = Path(env_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    qerl = deep_merge(deep_merge(dict(qerl_base or {}), qerl_overrides(presets, name)), {"rl": {"run_name": f"embedded_{name}"}})
+    files = {
+        "parameters_data_prep.yml": {"data": data_params(presets, name)},
+        "parameters_embedded_model.yml": {"embedded_model": {"task": {"preset": name}}},
+        "parameters_qerl_train.yml": {"qerl": qerl},
+    }
+    for fname, block in files.items():
+        (out / fname).write_text(yaml.safe_dump(block, sort_keys=False))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m qerl.embedded.presets NAME ENV_DIR [PRESETS_YAML]``: write :func:`write_env`."""
+    import sys
+
+    import yaml
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) not in (2, 3):
+        raise SystemExit("usage: python -m qerl.embedded.presets NAME ENV_DIR [conf/base/parameters_embedded_tasks.yml]")
+    path = Path(args[2] if len(args) == 3 else "conf/base/parameters_embedded_tasks.yml")
+    presets = yaml.safe_load(path.read_text())["embedded_tasks"]
+    print(write_env(presets, args[0], args[1]))
+
+
+if __name__ == "__main__":
+    main()

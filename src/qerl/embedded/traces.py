@@ -14,6 +14,7 @@ name       tasks                                   example (answer after the arr
 ``legs``   leg_counting                            ``3 ducks, 2 cows``: ``3*2=6,2*4=8;6+8=14``
 ``solve``  simple_equations (linear, one variable) ``8*t - 9 = 23``: ``23+9=32,32/8=4`` -> 4
 ``spell``  spell_backward                          ``bliss``: ``b1l2i3s4s5`` -> ssilb
+``letters`` letter_counting                        ``"b"`` in ``rabbit bob``: ``rabbit:2,bob:2;2+2=4``
 ========== ======================================= =========================================
 
 ``column`` writes one column-arithmetic scratchpad per binary step of the chain, least significant
@@ -216,3 +217,20 @@ def spell_trace(entry: Mapping[str, Any]) -> str | None:
     if not isinstance(word, str) or not word:
         return None
     return "".join(f"{ch}{i}" for i, ch in enumerate(word, start=1))
+
+
+@register_trace("letters")
+def letters_trace(entry: Mapping[str, Any]) -> str | None:
+    """letter_counting: every word holding the letter with its count (case-insensitive, as the
+    generator counts), then the sum (``rabbit:2,bob:2;2+2=4``)."""
+    meta = _meta(entry)
+    span, letter = meta.get("span"), meta.get("target_letter")
+    if not isinstance(span, list) or not isinstance(letter, str) or len(letter) != 1:
+        return None
+    hits = [(w, w.lower().count(letter)) for w in span if letter in w.lower()]
+    if not hits:
+        return "0"
+    head = ",".join(f"{w}:{n}" for w, n in hits)
+    if len(hits) == 1:
+        return head
+    return head + ";" + chain_trace(" + ".join(str(n) for _, n in hits), use_columns=False)
