@@ -10,6 +10,7 @@ import yaml
 
 from qerl.data.sources import build_prompt_tables
 from qerl.embedded.presets import data_params, deep_merge, qerl_overrides, resolve_params, task_of
+from qerl.embedded.task import EmbeddedTask
 from qerl.errors import QerlConfigError
 from qerl.modeling.tiny import TinyModelSpec
 from qerl.params import DataParams, TinyModelParams, TrainParams
@@ -66,3 +67,15 @@ def test_write_env_runs_a_preset_with_todays_pipelines(presets, tmp_path):
     with pytest.raises(QerlConfigError, match="embedded_model.task.preset"):
         main(["leg_count", str(tmp_path / "x"), str(ROOT / "conf" / "base" / "parameters_embedded_tasks.yml")])
     assert not (tmp_path / "x").exists()
+
+
+def test_unknown_override_key_names_the_field(presets):
+    from qerl.pipelines.embedded_model.nodes import train_embedded_model
+
+    small = TinyModelParams.model_validate({"task": {"preset": "chain_sum_2x2"}, "sft_size": 20, "val_size": 4})
+    sft_set = build_sft_set(EmbeddedTask().prompt_table(8, seed=17), small, presets)
+    for block, key in (("sft", "stpes"), ("spec", "hidden"), ("band", "lo")):
+        params = TinyModelParams.model_validate({"task": {"preset": "chain_sum_2x2"}, block: {key: 1}})
+        with pytest.raises(QerlConfigError, match=f"embedded_model.{block}.{key}"):
+            train_embedded_model(sft_set, params, presets)
+
