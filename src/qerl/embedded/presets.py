@@ -17,8 +17,8 @@ the preset's (:func:`resolve_params`); :func:`data_params` and :func:`qerl_overr
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from qerl.embedded.task import EmbeddedTask
