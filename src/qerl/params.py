@@ -57,26 +57,36 @@ class DataParams(_Strict):
 
 
 class TaskParams(_Strict):
-    """The embedded task; ``scratchpad_fraction`` of the warm-start answers show a column-arithmetic
-    scratchpad inside ``<think>``, the rest answer directly (see ``qerl.modeling.sft.EmbeddedTask``)."""
+    """The embedded task (``qerl.embedded.task.EmbeddedTask``). ``preset`` names an entry of
+    ``embedded_tasks`` (conf/base/parameters_embedded_tasks.yml) whose values fill every field not
+    set here (``qerl.embedded.presets.resolve_params``); ``trace_fraction`` of the warm-start answers
+    show the ``trace`` style inside ``<think>`` (``qerl.embedded.traces``), the rest answer directly."""
 
+    preset: str | None = None
     name: str = "chain_sum"
-    config: dict[str, Any] = Field(default_factory=dict)
-    scratchpad_fraction: float = Field(0.3, ge=0, le=1)
+    config: dict[str, Any] = Field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
+    )
+    template: str = "{question}\n"
+    trace: str = "column"
+    trace_fraction: float = Field(0.3, ge=0, le=1)
 
 
 class TinyModelParams(_Strict):
     """The embedded default model (``qerl.modeling.tiny``) and its supervised warm start
-    (``qerl.modeling.sft``). ``spec`` / ``sft`` override fields of ``TinyModelSpec`` / ``SFTConfig``."""
+    (``qerl.embedded``). ``spec`` / ``sft`` / ``band`` override fields of ``TinyModelSpec`` /
+    ``SFTConfig`` / ``Band`` (the validation accuracy band the warm start must end in:
+    ``low``, ``high``, ``on_miss: warn | error``)."""
 
     task: TaskParams = TaskParams()
     spec: dict[str, Any] = Field(default_factory=dict)
     sft: dict[str, Any] = Field(default_factory=dict)
+    band: dict[str, Any] = Field(default_factory=dict)
     sft_size: int = Field(4000, ge=1)
     val_size: int = Field(200, ge=0)  # validation split for SFT early stopping (never the eval prompts)
     sft_seed: int = 1
-    tokenizer_vocab_size: int = 384
-    eval_max_new_tokens: int = Field(16, ge=1)
+    tokenizer_vocab_size: int = Field(384, ge=258)
+    eval_max_new_tokens: int = Field(32, ge=1)
     correctness: dict[str, Any] = Field(default_factory=lambda: {"name": "reasoning_gym"})
 
 

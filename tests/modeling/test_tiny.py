@@ -1,21 +1,11 @@
-"""The embedded default model: local tokenizer, tiny config, SFT warm start, greedy evaluation."""
+"""The embedded default model: local tokenizer and tiny config (the warm start: tests/embedded)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qerl.modeling.sft import (
-    EmbeddedTask,
-    SFTConfig,
-    collate_right,
-    column_scratchpad,
-    embedded_warm_start,
-    encode_pairs,
-    extract_answer,
-    greedy_accuracy,
-    sft_train,
-)
+from qerl.embedded.task import EmbeddedTask
 from qerl.modeling.tiny import (
     FORMAT_TOKENS,
     TinyModelSpec,
@@ -38,7 +28,7 @@ QUESTIONS = [
 ANSWERS = ["85", "14", "-43", "109", "36"]
 THINKS = ["7+8=15,4+3+1=8", "", "90-47:10-7=3,9-1-4=4", "", ""]
 TEXTS = [
-    q + "\n" + EmbeddedTask.completion(a, t)
+    q + "\n" + EmbeddedTask().completion(a, t)
     for q, a, t in zip(QUESTIONS, ANSWERS, THINKS, strict=True)
 ]
 
@@ -114,123 +104,3 @@ def test_spec_validation():
         TinyModelSpec(hidden_size=100).validate()
     with pytest.raises(QerlConfigError, match="intermediate_size"):
         TinyModelSpec(intermediate_size=300).validate()
-
-
-def test_column_scratchpad():
-    assert column_scratchpad("47 + 38") == "7+8=15,4+3+1=8"
-    assert column_scratchpad("52 - 38") == "12-8=4,5-1-3=1"
-    assert column_scratchpad("47 - 90") == "90-47:10-7=3,9-1-4=4"
-    assert column_scratchpad("1 * 2") is None
-
-
-def test_collate_masks_prompt(tok):
-    p, c = encode_pairs(tok, ["ab\n", "abcd\n"], ["<answer>1</answer>", "<answer>22</answer>"])
-    assert c[0][-1] == tok.eos_token_id
-    ids, att, lab = collate_right(p, c, tok.pad_token_id)
-    for i in range(2):
-        n_p, n_c = len(p[i]), len(c[i])
-        assert (lab[i, :n_p] == -100).all()
-        assert lab[i, n_p : n_p + n_c].tolist() == c[i]
-        assert (lab[i, n_p + n_c :] == -100).all()
-        assert att[i].sum() == n_p + n_c
-
-
-def _small_spec() -> TinyModelSpec:
-    """The one-layer, hidden-64 model the SFT tests train (seconds on a CPU)."""
-    return TinyModelSpec(hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
-                         intermediate_size=128, num_hidden_layers=1)
-
-
-def _tiny_sft(tok, seed):
-    spec = _small_spec()
-    model = build_model(spec, tok, seed=seed)
-    prompts = [t.split("\n")[0] + "\n" for t in TEXTS]
-    comps = [t.split("\n", 1)[1] for t in TEXTS]
-    cfg = SFTConfig(
-        steps=150,
-        batch_size=5,
-        lr=1e-2,
-        warmup_steps=5,
-        schedule="cosine",
-        seed=seed,
-        log_every=25,
-        num_threads=1,
-    )
-    return sft_train(model, tok, prompts, comps, cfg), prompts, comps
-
-
-def test_sft_loss_decreases_and_is_deterministic(tok):
-    (m1, h1), prompts, comps = _tiny_sft(tok, seed=3)
-    assert h1[-1]["loss"] < 0.5 * h1[0]["loss"]
-    assert h1[-1]["step"] == 150
-    (m2, h2), _, _ = _tiny_sft(tok, seed=3)
-    assert [h["loss"] for h in h1] == [h["loss"] for h in h2]
-    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
-        assert torch.equal(a, b)
-    # the memorised training set is solved greedily, batched with left padding
-    answers = [extract_answer(c) for c in comps]
-    acc, outs = greedy_accuracy(m1, tok, prompts, answers, max_new_tokens=32, batch_size=2)
-    assert acc == 1.0, outs
-
-
-def test_extract_answer():
-    assert extract_answer("<think>x</think><answer> 42 </answer>") == "42"
-    assert extract_answer("<answer>1</answer><answer>2</answer>") == "2"
-    assert extract_answer("no tags") is None
-
-
-def test_embedded_task_splits_and_warm_start():
-    task = EmbeddedTask()
-    small = _small_spec()
-    ws = embedded_warm_start(
-        task,
-        small,
-        SFTConfig(
-            max_steps=12,
-            batch_size=8,
-            num_threads=1,
-            min_steps=4,
-            check_every=4,
-            target_accuracy=2.0,
-        ),
-        sizes={"sft": 200, "val": 20, "rl": 50, "eval": 50},
-        seed=0,
-    )
-    # an unreachable target: checked at 4, 8, 12 and never stops early
-    assert [s for s, _ in ws.val_curve] == [4, 8, 12] and ws.steps == 12
-    qs = {k: {e["question"] for e in v} for k, v in ws.splits.items()}
-    assert [len(qs[k]) for k in ("sft", "val", "rl", "eval")] == [200, 20, 50, 50]
-    assert not (qs["val"] & (qs["sft"] | qs["rl"] | qs["eval"]))
-    assert (
-        not (qs["sft"] & qs["eval"]) and not (qs["rl"] & qs["eval"]) and not (qs["sft"] & qs["rl"])
-    )
-    prompts, comps = task.sft_pairs(ws.splits["sft"], seed=1234)
-    n_scratch = sum("<think></think>" not in c for c in comps)
-    assert 0.15 < n_scratch / len(comps) < 0.45
-    score = task.scorer()
-    for e, c in zip(
-        ws.splits["sft"], comps, strict=True
-    ):  # every target is correct per the verifier
-        assert score(extract_answer(c), e) == 1.0
-        if "<think></think>" not in c:
-            assert c.startswith("<think>" + column_scratchpad(e["metadata"]["expression"]))
-    # the prompt + completion (+ EOS) stays short
-    tok = ws.tokenizer
-    assert max(len(tok.encode(p + c)) for p, c in zip(prompts, comps, strict=True)) + 1 <= 40
-    assert len(ws.history) >= 1
-
-
-def test_sft_early_stop(tok):
-    spec = _small_spec()
-    model = build_model(spec, tok, seed=0)
-    prompts = [t.split("\n")[0] + "\n" for t in TEXTS]
-    comps = [t.split("\n", 1)[1] for t in TEXTS]
-    calls = []
-    cfg = SFTConfig(
-        max_steps=50, batch_size=5, min_steps=10, check_every=5, log_every=7, num_threads=1
-    )
-    _, hist = sft_train(
-        model, tok, prompts, comps, cfg, should_stop=lambda s: calls.append(s) or s >= 20
-    )
-    assert calls == [10, 15, 20]
-    assert hist[-1]["step"] == 20
