@@ -12,6 +12,7 @@ import warnings  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*register_new_resolver.*")
 
+from qerl.config_loader import QerlConfigLoader  # noqa: E402
 from qerl.hooks import QerlHooks  # noqa: E402
 from qerl.runner import QerlSession  # noqa: E402
 
@@ -19,6 +20,9 @@ HOOKS = (QerlHooks(),)
 
 # `kedro run` uses qerl.runner.LoopRunner (it repeats the rl_loop namespace of qerl_train).
 SESSION_CLASS = QerlSession
+
+# OmegaConfigLoader + the embedded task preset (embedded_model.task.preset sets the data and qerl defaults).
+CONFIG_LOADER_CLASS = QerlConfigLoader
 
 # "soft": an env (local, gpu_paper, ...) overrides single nested keys instead of whole blocks.
 CONFIG_LOADER_ARGS = {

@@ -6,14 +6,20 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 
 from qerl.errors import QerlConfigError
 from qerl.params import DataParams, ReplayParams, StudyParams, TinyModelParams, TrainParams
 
+
+class TaskPresets(RootModel[dict[str, dict[str, Any]]]):
+    """``embedded_tasks``: the embedded task presets (checked by ``qerl.embedded.presets`` when used)."""
+
+
 BLOCKS: dict[str, type[BaseModel]] = {
     "data": DataParams,
     "embedded_model": TinyModelParams,
+    "embedded_tasks": TaskPresets,
     "qerl": TrainParams,
     "quant_study": StudyParams,
     "replay": ReplayParams,

@@ -30,7 +30,7 @@ def test_family_is_documented_and_diverse(presets):
 @pytest.mark.parametrize("name", ["chain_sum_2x2", "chain_sum_3x2", "leg_counting", "spell_backward"])
 def test_preset_data_and_qerl_blocks_validate(presets, name):
     data = DataParams.model_validate(data_params(presets, name))
-    train, evals = build_prompt_tables([{**data.sources[0], "size": 60}], data.template, data.system_prompt, eval_size=10)
+    train, evals = build_prompt_tables([{**data.sources[0].model_dump(), "size": 60}], data.template, data.system_prompt, eval_size=10)
     task = task_of(resolve_params(TinyModelParams.model_validate({"task": {"preset": name}}), presets))
     gen = json.loads(evals["metadata"].iloc[0])["reasoning_gym"]
     assert (gen["name"], gen["config"]) == (task.name, dict(task.config))
@@ -55,18 +55,23 @@ def test_held_out_prompts_of_another_task_are_refused(presets):
         build_sft_set(other, TinyModelParams.model_validate({"task": {"preset": "chain_sum_2x2"}}), presets)
 
 
-def test_write_env_runs_a_preset_with_todays_pipelines(presets, tmp_path):
-    from qerl.embedded.presets import main
+def test_the_preset_sets_data_and_qerl_defaults_under_the_users_values(presets):
+    from qerl.embedded.presets import apply_preset
 
-    main(["leg_counting", str(tmp_path / "leg"), str(ROOT / "conf" / "base" / "parameters_embedded_tasks.yml")])
-    read = {f.name: yaml.safe_load(f.read_text()) for f in (tmp_path / "leg").iterdir()}
-    assert DataParams.model_validate(read["parameters_data_prep.yml"]["data"]).sources[0]["name"] == "leg_counting"
-    assert read["parameters_embedded_model.yml"] == {"embedded_model": {"task": {"preset": "leg_counting"}}}
-    qerl = read["parameters_qerl_train.yml"]["qerl"]
-    assert qerl["rollout"]["max_new_tokens"] == 48 and qerl["rl"]["run_name"] == "embedded_leg_counting"
+    data = yaml.safe_load((ROOT / "conf" / "base" / "parameters_data_prep.yml").read_text())["data"]
+    base = {"data": data, "qerl": {"rl": {"lr": 1e-3}, "rollout": {"max_new_tokens": 32}},
+            "embedded_model": {"task": {"preset": "chain_sum_2x2"}}, "embedded_tasks": presets}
+    assert apply_preset(base, base) == base  # the default preset changes nothing
+    chosen = {**base, "embedded_model": {"task": {"preset": "leg_counting"}},
+              "qerl": {"rl": {"lr": 5e-4}, "rollout": {"max_new_tokens": 32}}}
+    out = apply_preset(chosen, base)
+    assert out["data"]["sources"][0]["name"] == "leg_counting"
+    assert out["qerl"]["rollout"]["max_new_tokens"] == 48  # the preset's, the user kept the base value
+    assert out["qerl"]["rl"]["lr"] == 5e-4  # the user's value wins over base and preset
+    mine = {**chosen, "data": {**base["data"], "eval_size": 50}}
+    assert apply_preset(mine, base)["data"]["eval_size"] == 50
     with pytest.raises(QerlConfigError, match="embedded_model.task.preset"):
-        main(["leg_count", str(tmp_path / "x"), str(ROOT / "conf" / "base" / "parameters_embedded_tasks.yml")])
-    assert not (tmp_path / "x").exists()
+        apply_preset({**base, "embedded_model": {"task": {"preset": "leg_count"}}}, base)
 
 
 def test_unknown_override_key_names_the_field(presets):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from qerl.embedded.task import EmbeddedTask
@@ -91,41 +90,30 @@ def qerl_overrides(presets: Mapping[str, Any], name: str) -> dict[str, Any]:
     return copy.deepcopy(dict(get_preset(presets, name).get("qerl") or {}))
 
 
-def write_env(presets: Mapping[str, Any], name: str, env_dir: str | Path, qerl_base: Mapping[str, Any] | None = None) -> Path:
-    """Write a Kedro env folder that runs preset ``name`` end to end with today's pipelines:
-    ``parameters_data_prep.yml`` (:func:`data_params`), ``parameters_embedded_model.yml`` (the
-    preset) and ``parameters_qerl_train.yml`` (:func:`qerl_overrides` over ``qerl_base``, with its
-    own ``rl.run_name``). ``kedro run --pipeline=embedded_model -e ENV`` then
-    ``kedro run --pipeline=qerl_train -e ENV``. Returns the folder."""
-    import yaml
-
-    get_preset(presets, name)
-    out = Path(env_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    qerl = deep_merge(deep_merge(dict(qerl_base or {}), qerl_overrides(presets, name)), {"rl": {"run_name": f"embedded_{name}"}})
-    files = {
-        "parameters_data_prep.yml": {"data": data_params(presets, name)},
-        "parameters_embedded_model.yml": {"embedded_model": {"task": {"preset": name}}},
-        "parameters_qerl_train.yml": {"qerl": qerl},
-    }
-    for fname, block in files.items():
-        (out / fname).write_text(yaml.safe_dump(block, sort_keys=False))
+def _changed(merged: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """The leaves of ``merged`` that ``base`` does not have or has with another value."""
+    out: dict[str, Any] = {}
+    for key, value in merged.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), Mapping):
+            sub = _changed(value, base[key])
+            if sub:
+                out[key] = sub
+        elif key not in base or base[key] != value:
+            out[key] = copy.deepcopy(value)
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m qerl.embedded.presets NAME ENV_DIR [PRESETS_YAML]``: write :func:`write_env`."""
-    import sys
+def apply_preset(params: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters with the selected preset's ``data`` and ``qerl`` parts under the user's values.
 
-    import yaml
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (2, 3):
-        raise SystemExit("usage: python -m qerl.embedded.presets NAME ENV_DIR [conf/base/parameters_embedded_tasks.yml]")
-    path = Path(args[2] if len(args) == 3 else "conf/base/parameters_embedded_tasks.yml")
-    presets = yaml.safe_load(path.read_text())["embedded_tasks"]
-    print(write_env(presets, args[0], args[1]))
-
-
-if __name__ == "__main__":
-    main()
+    ``params``: the merged parameters of the run (base + env + ``--params``); ``base``: those of
+    ``conf/base`` alone. What differs between the two is the user's and wins; the preset fills the
+    rest of ``data`` and ``qerl``; everything else stays as it is. No preset selected: unchanged.
+    """
+    name = ((params.get("embedded_model") or {}).get("task") or {}).get("preset")
+    presets = params.get("embedded_tasks") or {}
+    if not name or not presets:
+        return dict(params)
+    embedded = TinyModelParams.model_validate(params.get("embedded_model") or {})
+    overlay = {"data": data_params(presets, name, embedded), "qerl": qerl_overrides(presets, name)}
+    return deep_merge(deep_merge(base, overlay), _changed(params, base))

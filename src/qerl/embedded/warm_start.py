@@ -53,18 +53,19 @@ class Band:
 def as_policy(model, tokenizer):
     """Wrap a plain causal LM as a :class:`qerl.train.policy.Policy` (for the shared prompt
     encoding, generation and decoding helpers; no adapter, nothing quantized)."""
-    from qerl.train.policy import Policy, PolicySpec
+    from qerl.params import LoraParams, ModelParams, QuantParams
+    from qerl.train.policy import Policy
 
     param = next(model.parameters())
-    return Policy(model=model, tokenizer=tokenizer, spec=PolicySpec(model_path="", format="none"),
-                  device=param.device, dtype=param.dtype)
+    return Policy(model=model, tokenizer=tokenizer, model_settings=ModelParams(path=""), quant=QuantParams(format="none"),
+                  lora=LoraParams(), device=param.device, dtype=param.dtype)
 
 
 @torch.no_grad()
 def greedy_completions(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, max_prompt_tokens: int = 512) -> list[str]:
     """Greedy completions (format tags kept, EOS / pad removed) from the project's hf engine."""
     from qerl.rollout import SamplingParams, get_engine
-    from qerl.train.steps import decode_completions, encode_prompts
+    from qerl.train.generate import decode_completions, encode_prompts
 
     policy = as_policy(model, tokenizer)
     ids, kept, _, _ = encode_prompts(policy, list(prompts), max_prompt_tokens, "truncate")
