@@ -339,7 +339,7 @@ class StudyParams(_Strict):
     """The quantization study (``params:quant_study``): every variant x seed, same task and budget."""
 
     seeds: tuple[int, ...] = (0, 1, 2)
-    steps: int = Field(40, ge=1)
+    steps: int | None = Field(40, ge=1)  # null: each run keeps qerl.rl.steps
     reward_threshold: float = 1.0
     probe_size: int = Field(16, ge=1)
     eval_max_prompts: int | None = 100

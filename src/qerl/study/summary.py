@@ -18,6 +18,10 @@ def first_step_reaching(metrics: pd.DataFrame, column: str, threshold: float, wi
     return float(hit.iloc[0]) if len(hit) else math.nan
 
 
+def _pass_k(ev: pd.DataFrame) -> str:
+    return [c for c in ev.columns if c.startswith("pass@") and c not in ("pass@1_greedy", "pass@1_sampled")][0]
+
+
 def per_run_rows(metrics: pd.DataFrame, evaluation: pd.DataFrame, threshold: float) -> pd.DataFrame:
     """One row per (variant, seed): threshold step, entropy early, final pass@1/pass@k, KL, time, memory."""
     rows = []
@@ -34,7 +38,8 @@ def per_run_rows(metrics: pd.DataFrame, evaluation: pd.DataFrame, threshold: flo
                 "reward_last5": float(m[REWARD_MEAN].tail(5).mean()),
                 "pass@1_before": float(ev.loc["before", "pass@1_greedy"]),
                 "pass@1_after": float(ev.loc["after", "pass@1_greedy"]),
-                "pass@k_after": float(ev.loc["after", [c for c in ev.columns if c.startswith("pass@") and c not in ("pass@1_greedy", "pass@1_sampled")][0]]),
+                "pass@k_before": float(ev.loc["before", _pass_k(ev)]),
+                "pass@k_after": float(ev.loc["after", _pass_k(ev)]),
                 "kl_to_full_precision": float(ev.loc["after", "kl_base_to_fp"]) if "kl_base_to_fp" in ev else math.nan,
                 "seconds_per_step": float(m["time/step"].mean()),
                 "peak_mem_gib": float(m["memory/peak_gib"].max()),

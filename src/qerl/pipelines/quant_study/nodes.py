@@ -28,14 +28,14 @@ log = logging.getLogger(__name__)
 
 def variant_params(base: TrainParams, study: StudyParams, variant: VariantParams, seed: int) -> TrainParams:
     """The ``qerl`` block of one run: same everything, the variant's format/noise/lr, the seed."""
+    steps = study.steps or base.rl.steps
     noise = {"enabled": variant.noise != "none"}
     if variant.noise != "none":
         noise["schedule"] = variant.noise
     return base.with_updates(
         quant={"format": variant.format}, noise=noise,
-        rl={"lr": base.rl.lr * variant.lr_scale, "seed": seed, "steps": study.steps, "resume": "auto",
-            "run_name": f"study_{variant.name}_s{seed}", "save_every": study.steps, "adapter_every": study.steps,
-            **variant.rl},
+        rl={"lr": base.rl.lr * variant.lr_scale, "seed": seed, "steps": steps, "resume": "auto",
+            "run_name": f"study_{variant.name}_s{seed}", "save_every": steps, "adapter_every": steps, **variant.rl},
         eval={"max_prompts": study.eval_max_prompts, "k": study.eval_k},
     )
 
