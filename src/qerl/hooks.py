@@ -24,10 +24,12 @@ class QerlHooks:
     @hook_impl
     def after_context_created(self, context: Any) -> None:
         from qerl.atomic import recover
+        from qerl.train.distributed import is_main
         from qerl.validation import validate_all
 
         validate_all(dict(context.config_loader["parameters"]))  # one clear line on the first bad value
-        recover(Path(context.project_path) / "data")
+        if is_main():  # under torchrun only rank 0 touches data/
+            recover(Path(context.project_path) / "data")
         threads = os.environ.get("QERL_NUM_THREADS")
         if threads:
             import torch
