@@ -18,9 +18,9 @@ The project's session class (``settings.SESSION_CLASS``) makes this the default 
 
 Under ``torchrun`` (``torchrun --nproc_per_node=N -m qerl run --pipelines=qerl_train``, see
 docs/distributed.md) the session joins the process group (``qerl.train.distributed``) and every rank
-runs the pipeline; on the ranks other than 0 every dataset a node saves becomes an in-memory one, so
-only rank 0 writes data/, and the finished-run check and the loop condition are checked to agree on
-every rank.
+runs the pipeline; on the ranks other than 0 every dataset a node saves becomes an in-memory one
+(except the step tables, which rank 0 writes whole), so only rank 0 writes data/; the finished-run
+check and the loop condition are checked to agree on every rank.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from kedro.pipeline import Pipeline
 from kedro.runner import AbstractRunner, SequentialRunner
 from kedro.runner.task import Task
 
-from qerl.datasets.checkpoints import TrainStateDataset
 from qerl.train import distributed as dist
 
 LOOP_TAG = "rl_loop"
@@ -123,12 +122,20 @@ class LoopRunner(SequentialRunner):
 
 def _only_rank0_writes(pipeline: Pipeline, catalog: Any) -> None:
     """On a rank other than 0, every dataset a node of ``pipeline`` saves is replaced by an in-memory
-    one: the rank hands data from node to node as rank 0 does, and never writes data/."""
+    one (the rank hands data from node to node as rank 0 does, and never writes data/), except those
+    that handle ranks themselves (``rank_aware``: the step tables, which rank 0 writes whole)."""
     if dist.is_main():
         return
-    for name in pipeline.all_outputs():
-        if not isinstance(catalog.get(name, fallback_to_runtime_pattern=True), (MemoryDataset, TrainStateDataset)):
-            catalog[name] = MemoryDataset(copy_mode="assign")
+    catalog_log = logging.getLogger("kedro.io.data_catalog")
+    level = catalog_log.level
+    catalog_log.setLevel(logging.ERROR)  # no "Replacing dataset" line per entry
+    try:
+        for name in pipeline.all_outputs():
+            dataset = catalog.get(name, fallback_to_runtime_pattern=True)
+            if not isinstance(dataset, MemoryDataset) and not getattr(dataset, "rank_aware", False):
+                catalog[name] = MemoryDataset(copy_mode="assign")
+    finally:
+        catalog_log.setLevel(level)
 
 
 class QerlSession(KedroSession):

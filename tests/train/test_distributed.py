@@ -226,8 +226,8 @@ def test_without_a_process_group_every_helper_is_the_identity() -> None:
     assert dist.all_sum({"a": 2.0}) == {"a": 2.0} and dist.all_max({"a": 2.0}) == {"a": 2.0}
     assert dist.all_gather_counts(4) == [4] and not dist.any_rank(False) and dist.any_rank(True)
     assert dist.reduce_stats({"x_mean": 0.5, "x_max": 3.0}, 10.0) == {"x_mean": 0.5, "x_max": 3.0}
-    frame = pd.DataFrame({"a": [1, 2], "b": [True, False]})
-    assert dist.gather_rows(frame, ["a", "b"]).to_dict("list") == {"a": [1.0, 2.0], "b": [1.0, 0.0]}
+    frame = pd.DataFrame({"a": [1, 2], "b": [[1], [2, 3]]})
+    assert dist.gather_frames(frame) is frame
     p = torch.nn.Parameter(torch.ones(2))
     p.grad = torch.full((2,), 3.0)
     dist.all_reduce_grads([p])

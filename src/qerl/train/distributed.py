@@ -7,7 +7,7 @@ loss normalisation needs over the ranks (the generation batch's token count, the
 sequence count), every rank accumulates the gradient of its own rows, and one all-reduce of the LoRA
 gradients (:func:`all_reduce_grads`, the LoRA parameters only) gives every rank the gradient of the
 whole batch before the optimizer step, so all ranks apply the same update. The metrics row is
-reduced (:func:`gather_rows`, :func:`all_sum`, :func:`all_max`, :func:`reduce_stats`), and only rank
+reduced (:func:`gather_frames`, :func:`all_sum`, :func:`all_max`, :func:`reduce_stats`), and only rank
 0 writes (:func:`is_main`: checkpoints, the catalog, logs).
 
 Everything here is the identity when ``torch.distributed`` is not initialised (the single-process
@@ -16,6 +16,7 @@ loop runs the same code) and works with gloo (CPU) and NCCL (CUDA) alike.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -176,18 +177,21 @@ def reduce_stats(stats: dict[str, float], weight: float) -> dict[str, float]:
     return {k: out[k] for k in stats}
 
 
-def gather_rows(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """The numeric ``columns`` of every rank's ``frame``, concatenated in rank order (as float64)."""
-    values = frame[columns].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=np.float64)
+def gather_frames(frame: pd.DataFrame) -> pd.DataFrame:
+    """Every rank's ``frame``, concatenated in rank order (``frame`` itself without a group). Sent as
+    parquet bytes: exact values, any column type, nothing unpickled."""
     if world_size() == 1:
-        return pd.DataFrame(values, columns=columns)
-    counts = all_gather_counts(len(frame))
-    t = torch.zeros((max(counts), len(columns)), dtype=torch.float64, device=_device())
-    t[: len(frame)] = torch.from_numpy(values).to(t.device)
-    parts = [torch.zeros_like(t) for _ in counts]
+        return frame
+    buf = io.BytesIO()
+    frame.to_parquet(buf, index=False)
+    payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    sizes = all_gather_counts(len(payload))
+    t = torch.zeros(max(sizes), dtype=torch.uint8, device=_device())
+    t[: len(payload)] = payload.to(t.device)
+    parts = [torch.zeros_like(t) for _ in sizes]
     dist.all_gather(parts, t)
-    whole = torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)]).cpu().numpy()
-    return pd.DataFrame(whole, columns=columns)
+    frames = [pd.read_parquet(io.BytesIO(p[:n].cpu().numpy().tobytes())) for p, n in zip(parts, sizes, strict=True)]
+    return pd.concat(frames, ignore_index=True)
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:

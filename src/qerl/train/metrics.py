@@ -47,7 +47,7 @@ def global_view(scored: pd.DataFrame) -> pd.DataFrame:
     if dist.world_size() == 1:
         return scored
     rows = [c for c in scored.columns if c in ROW_COLUMNS or (c.startswith("reward_") and c not in STEP_COLUMNS)]
-    out = dist.gather_rows(scored, rows)
+    out = dist.gather_frames(scored[rows]).apply(pd.to_numeric, errors="coerce")
     first = {c: float(scored[c].iloc[0]) for c in STEP_COLUMNS if c in scored}
     return out.assign(**dist.all_sum({c: v for c, v in first.items() if STEP_COLUMNS[c] == "sum"}),
                       **dist.all_max({c: v for c, v in first.items() if STEP_COLUMNS[c] == "max"}))
