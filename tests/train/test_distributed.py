@@ -213,7 +213,7 @@ def test_shards_cover_the_step_contiguously_in_rank_order() -> None:
     for n, world in ((16, 2), (3, 2), (7, 3), (5, 5)):
         bounds = [shard_bounds(n, r, world) for r in range(world)]
         assert bounds[0][0] == 0 and bounds[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert all(a[1] == b[0] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
         sizes = [hi - lo for lo, hi in bounds]
         assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 

@@ -64,10 +64,10 @@ def is_main() -> bool:
 def init_from_env() -> bool:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``MASTER_ADDR``/``MASTER_PORT``): NCCL with one GPU per local rank when CUDA is there, else gloo.
-    Sets :data:`NO_MULTICAST` first and lowers the other ranks' console logging to warnings.
-    Returns whether a group is active; a no-op without ``torchrun`` or when already initialised."""
-    for key, value in NO_MULTICAST.items():
-        os.environ.setdefault(key, value)
+    Sets :data:`NO_MULTICAST` first (over any other value) and lowers the other ranks' console
+    logging to warnings. Returns whether a group is active; a no-op without ``torchrun`` or when
+    already initialised."""
+    os.environ.update(NO_MULTICAST)
     if initialized() or "WORLD_SIZE" not in os.environ or not dist.is_available():
         return initialized()
     if torch.cuda.is_available():
@@ -206,7 +206,7 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
     for p in params:
         by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(_device())
         dist.all_reduce(flat)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
