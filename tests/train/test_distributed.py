@@ -218,6 +218,27 @@ def test_shards_cover_the_step_contiguously_in_rank_order() -> None:
         assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
+@pytest.mark.parametrize("engine", ["hf", "fast"])
+def test_with_a_stream_per_prompt_a_prompt_samples_the_same_in_any_batch(make_policy, engine: str) -> None:
+    """What makes N ranks sample their shards as one rank samples the whole step."""
+    from qerl.rollout import get_engine
+    from qerl.rollout.base import SamplingParams
+    from qerl.train.seeds import generator
+
+    policy = make_policy("nvfp4", lora_seed=0)
+    eng = get_engine(engine, policy.device)
+    ids = [[5, 6, 7, 8], [10, 11], [12, 13, 14]]
+    sp = SamplingParams(n=3, max_new_tokens=6, eos_token_ids=policy.eos_token_ids, pad_token_id=policy.pad_token_id)
+
+    def rows(prompt_ids: list[list[int]], numbers: list[int]) -> list[list[int]]:
+        batch = eng.generate(policy.model, prompt_ids, sp, [generator(0, 1, "sampling", index=i) for i in numbers])
+        return [r[:n].tolist() for r, n in zip(batch.completion_ids, batch.completion_lengths, strict=True)]
+
+    whole = rows(ids, [0, 1, 2])
+    assert whole == rows(ids[:2], [0, 1]) + rows(ids[2:], [2])  # two "ranks"
+    assert whole != rows(ids, [3, 4, 5])  # other streams, other samples
+
+
 def test_without_a_process_group_every_helper_is_the_identity() -> None:
     from qerl.train import distributed as dist
 
