@@ -12,6 +12,12 @@ of a cell warms up (graph capture, kernel compilation); the last step is reporte
 
     python benchmarks/rl_step.py --cells 7b/none,7b/nvfp4 --json rl_step.json
     python benchmarks/rl_step.py --cells 72b/nvfp4 --prompts 2 --steps 1 --memory-budget 80
+
+Data parallel (docs/distributed.md): under ``torchrun`` each rank generates its shard of the
+``--prompts`` and the update all-reduces the LoRA gradients, as in training; rank 0 prints and
+writes the JSON (``steps_per_s`` is the slowest rank's)::
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/rl_step.py --cells 7b/nvfp4 --json rl_step_2gpu.json
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from qerl.params import LoraParams, ModelParams, QuantParams, RewardParams, RLPa
 from qerl.rewards.base import register_reward
 from qerl.rollout import get_engine
 from qerl.rollout.base import SamplingParams
+from qerl.train import distributed as dist
 from qerl.train.checkpoints import RunDir
-from qerl.train.generate import rollouts_table
+from qerl.train.generate import rollouts_table, sampling_generators
 from qerl.train.policy import Policy
 from qerl.train.score import score_step
 from qerl.train.seeds import generator
@@ -127,8 +134,9 @@ def linear_params(policy: Policy) -> tuple[int, int]:
 def one_step(policy: Policy, step: int, args, rl: RLParams, rollout: RolloutParams, state: TrainState) -> dict:
     vocab = policy.model.config.vocab_size
     g = torch.Generator().manual_seed(step)
-    ids = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
-    prompts = pd.DataFrame({"id": [f"p{k}" for k in range(args.prompts)], "prompt": [""] * args.prompts,
+    lo, hi = dist.shard(args.prompts)  # this rank's prompts (all of them in one process)
+    ids = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=g).tolist()[lo:hi]
+    prompts = pd.DataFrame({"id": [f"p{k}" for k in range(lo, hi)], "prompt": [""] * (hi - lo),
                             "answer": "0", "task": "random", "metadata": "{}"})
     sampling = SamplingParams(n=args.group, temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
                               eos_token_ids=(), pad_token_id=0)
@@ -138,7 +146,7 @@ def one_step(policy: Policy, step: int, args, rl: RLParams, rollout: RolloutPara
     _sync()
     t0 = time.perf_counter()
     with aqn_noise(policy.model, args.sigma, generator(0, step, "aqn", policy.device)):
-        batch = engine.generate(policy.model, ids, sampling, generator(0, step, "sampling"))
+        batch = engine.generate(policy.model, ids, sampling, sampling_generators(0, step, list(range(lo, hi))))
     _sync()
     t_roll = time.perf_counter() - t0
     table = rollouts_table(policy, prompts, batch, step, args.sigma, t_roll, 0, 0)
@@ -173,11 +181,13 @@ def run_cell(arch: str, fmt: str, args, rate: float, tmp: Path) -> dict:
         dec, head = linear_params(policy)
         rows = args.prompts * args.group
         tokens_all, tokens_comp = rows * (args.prompt_len + args.new_tokens), rows * args.new_tokens
-        floor = 4 * 2 * (dec * tokens_all + head * tokens_comp) / (rate * 1e12)
+        floor = 4 * 2 * (dec * tokens_all + head * tokens_comp) / (rate * 1e12 * dist.world_size())  # per GPU
         cell.update({
             "rollout_s": row["time/generate"], "update_s": row["time/update"],
             "step_s": row["time/generate"] + row["time/score"] + row["time/update"],
             "tokens_per_s": tokens_comp / (row["time/generate"] + row["time/score"] + row["time/update"]),
+            "steps_per_s": 1.0 / (row["time/generate"] + row["time/score"] + row["time/update"]),
+            "world_size": dist.world_size(),
             "rollout_tokens_per_s": row["rollout/tokens_per_s"], "update_floor_s": floor,
             "update_x_floor": row["time/update"] / floor, "peak_gib": row["peak_gib"],
             "peak_rollout_gib": row["peak_rollout_gib"], "micro_batches": row.get("train/micro_batches"),
@@ -209,6 +219,7 @@ def main() -> None:
     ap.add_argument("--kv-budget", type=float, default=None, help="GiB: rollout KV cache per wave")
     ap.add_argument("--json", default="rl_step.json")
     args = ap.parse_args()
+    dist.init_from_env()  # under torchrun: one rank a GPU
     rate = matmul_tflops()
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name() if DEVICE.type == "cuda"
            else "cpu", "bf16_tflops": rate,
@@ -218,9 +229,13 @@ def main() -> None:
             arch, fmt = spec.split("/")
             cell = run_cell(arch, fmt, args, rate, Path(tmp))
             out["cells"].append(cell)
-            Path(args.json).write_text(json.dumps(out, indent=1))
-            print(json.dumps(cell), flush=True)  # noqa: T201
-    cols = ["model", "format", "rollout_s", "update_s", "step_s", "tokens_per_s", "update_x_floor", "peak_gib"]
+            if dist.is_main():
+                Path(args.json).write_text(json.dumps(out, indent=1))
+                print(json.dumps(cell), flush=True)  # noqa: T201
+    if not dist.is_main():
+        return
+    cols = ["model", "format", "world_size", "rollout_s", "update_s", "step_s", "steps_per_s", "tokens_per_s",
+            "update_x_floor", "peak_gib"]
     print(" | ".join(cols))  # noqa: T201
     for c in out["cells"]:
         print(" | ".join("OOM" if c.get("oom") and k not in ("model", "format") else

@@ -41,7 +41,9 @@ def _keep_traceback(err: BaseException) -> None:
     """Write the refusal's traceback to data/09_logs/last_error.log (when run in a project)."""
     import traceback
 
-    if not Path("conf").is_dir():
+    from qerl.train.distributed import is_main
+
+    if not Path("conf").is_dir() or not is_main():  # under torchrun only rank 0 writes
         return
     path = Path("data/09_logs/last_error.log")
     path.parent.mkdir(parents=True, exist_ok=True)

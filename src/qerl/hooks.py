@@ -24,6 +24,7 @@ class QerlHooks:
     @hook_impl
     def after_context_created(self, context: Any) -> None:
         from qerl.atomic import recover
+        from qerl.train.distributed import is_main
         from qerl.validation import validate_all
 
         blocks = validate_all(dict(context.config_loader["parameters"]))  # one clear line on the first bad value
@@ -31,7 +32,8 @@ class QerlHooks:
             from qerl.kernels import resolve_backend
 
             resolve_backend(blocks["qerl"].quant.backend)  # an unavailable backend is refused up front
-        recover(Path(context.project_path) / "data")
+        if is_main():  # under torchrun only rank 0 touches data/
+            recover(Path(context.project_path) / "data")
         threads = os.environ.get("QERL_NUM_THREADS")
         if threads:
             import torch

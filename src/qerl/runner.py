@@ -15,6 +15,12 @@ rl_loop.generate_rollouts``, a *replay*) runs its nodes once, like the sequentia
 
 The project's session class (``settings.SESSION_CLASS``) makes this the default runner of
 ``kedro run``; other runners refuse a pipeline that contains the loop.
+
+Under ``torchrun`` (``torchrun --nproc_per_node=N -m qerl run --pipelines=qerl_train``, see
+docs/distributed.md) the session joins the process group (``qerl.train.distributed``) and every rank
+runs the pipeline; on the ranks other than 0 every dataset a node saves becomes an in-memory one
+(except the step tables, which rank 0 writes whole), so only rank 0 writes data/; the finished-run
+check and the loop condition are checked to agree on every rank.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from itertools import chain
 from typing import Any
 
 from kedro.framework.session import KedroSession
+from kedro.io import MemoryDataset
 from kedro.pipeline import Pipeline
 from kedro.runner import AbstractRunner, SequentialRunner
 from kedro.runner.task import Task
+
+from qerl.train import distributed as dist
 
 LOOP_TAG = "rl_loop"
 LOOP_STATE = "train_state"
@@ -44,11 +53,13 @@ class LoopRunner(SequentialRunner):
     def _run(self, pipeline: Pipeline, catalog: Any, hook_manager: Any = None, run_id: str | None = None) -> None:
         nodes = pipeline.nodes
         body = [n for n in nodes if LOOP_TAG in n.tags]
+        _only_rank0_writes(pipeline, catalog)
         if not body or not any(LOOP_STATE in n.outputs for n in nodes):
             super()._run(pipeline, catalog, hook_manager, run_id)  # no loop, or a replay of its nodes
             return
         finished, computed = self._finished_run(pipeline, catalog)
-        if finished:
+        fix = "put the checkpoint root on a filesystem every node sees"
+        if dist.agreed(finished is not None, "checkpoints", fix):
             log.info("%s; skipped every node. To train again use --params qerl.rl.resume=never, or change the "
                      "configuration", finished)
             return
@@ -65,7 +76,7 @@ class LoopRunner(SequentialRunner):
                 continue
             self._execute(node, catalog, hook_manager, run_id, pipeline, load_counts)
         steps = 0
-        while not getattr(catalog.load(LOOP_STATE), "done", True):
+        while not dist.agreed(getattr(catalog.load(LOOP_STATE), "done", True), "train_state.done", fix):
             for node in body:
                 self._execute(node, catalog, hook_manager, run_id, pipeline, None)
             steps += 1
@@ -98,8 +109,9 @@ class LoopRunner(SequentialRunner):
         if len(producers) != 1 or any(name not in catalog for name in RUN_INPUTS[1:]):
             return None, {}
         node = producers[0]
-        outputs = node.run({name: catalog.load(name) for name in node.inputs})
         params = train_params(catalog.load("params:qerl"))
+        dist.check_world(params.rl.prompts_per_step, params.model.device)  # before any work
+        outputs = node.run({name: catalog.load(name) for name in node.inputs})
         run = catalog.load("checkpoints").run_for(params, outputs["train_prompts"])
         if params.rl.resume != "auto" or not run.is_complete():
             return None, {node.name: outputs}
@@ -108,12 +120,32 @@ class LoopRunner(SequentialRunner):
                 f"outputs: {done.get('outputs', 'data/08_reporting')})"), {}
 
 
+def _only_rank0_writes(pipeline: Pipeline, catalog: Any) -> None:
+    """On a rank other than 0, every dataset a node of ``pipeline`` saves is replaced by an in-memory
+    one (the rank hands data from node to node as rank 0 does, and never writes data/), except those
+    that handle ranks themselves (``rank_aware``: the step tables, which rank 0 writes whole)."""
+    if dist.is_main():
+        return
+    catalog_log = logging.getLogger("kedro.io.data_catalog")
+    level = catalog_log.level
+    catalog_log.setLevel(logging.ERROR)  # no "Replacing dataset" line per entry
+    try:
+        for name in pipeline.all_outputs():
+            dataset = catalog.get(name, fallback_to_runtime_pattern=True)
+            if not isinstance(dataset, MemoryDataset) and not getattr(dataset, "rank_aware", False):
+                catalog[name] = MemoryDataset(copy_mode="assign")
+    finally:
+        catalog_log.setLevel(level)
+
+
 class QerlSession(KedroSession):
     """``KedroSession`` whose default runner is :class:`LoopRunner` (a plain ``SequentialRunner``,
     which is what ``kedro run`` passes when no ``--runner`` is given, is upgraded to it; it runs
-    loop-free pipelines exactly like the sequential runner)."""
+    loop-free pipelines exactly like the sequential runner). Under ``torchrun`` it first joins the
+    process group."""
 
     def run(self, *args: Any, runner: AbstractRunner | None = None, **kwargs: Any) -> dict[str, Any]:
+        dist.init_from_env()
         if runner is None or type(runner) is SequentialRunner:
             runner = LoopRunner(is_async=getattr(runner, "_is_async", False))
         elif not isinstance(runner, LoopRunner):

@@ -50,6 +50,8 @@ class ReplayHandle:
 class TrainStateDataset(AbstractDataset[Any, Any]):
     """Resident ``TrainState`` within a run; a :class:`ReplayHandle` on ``checkpoints`` otherwise."""
 
+    rank_aware = True  # in memory: the same on every rank under torchrun (qerl.runner keeps it)
+
     def __init__(self, *, checkpoints: str, metadata: dict[str, Any] | None = None) -> None:
         self._root = PurePosixPath(checkpoints)
         self._state: Any = None

@@ -7,6 +7,10 @@ hand-off from ``generate_rollouts`` to ``score_rewards``). In a new process (a n
 ``load`` returns the *training record* of the newest run: for every step its newest non-replay
 version, concatenated (``load_args: {run: <name/fingerprint>, replays: true}`` pick another run or
 the replays instead; :meth:`read` reads one step).
+
+Under ``torchrun`` every rank saves its shard of the step (a collective): the file rank 0 writes holds
+every rank's rows, in rank order (the whole step, as one process would have written it), and each
+rank's in-memory hand-off stays its own shard.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ import pandas as pd
 from kedro.io.core import AbstractDataset, DatasetError, generate_timestamp
 
 from qerl.atomic import atomic_write
+from qerl.train import distributed as dist
 
 REPLAY_SUFFIX = ".replay.parquet"
 
 
 class StepTablesDataset(AbstractDataset[pd.DataFrame, pd.DataFrame]):
     """See the module docstring. ``producer`` names the pipeline that writes the tables (for errors)."""
+
+    rank_aware = True  # saved on every rank under torchrun (qerl.runner keeps it on ranks != 0)
 
     def __init__(self, *, path: str, load_args: dict[str, Any] | None = None, producer: str = "qerl_train",
                  metadata: dict[str, Any] | None = None) -> None:
@@ -36,15 +43,18 @@ class StepTablesDataset(AbstractDataset[pd.DataFrame, pd.DataFrame]):
     # -- writing ---------------------------------------------------------------------------------
 
     def save(self, data: pd.DataFrame) -> None:
+        self._last = data
+        data = dist.gather_frames(data)  # the whole step under torchrun
         for col in ("run", "step"):
             if col not in data or data[col].nunique() != 1:
                 raise DatasetError(f"{self._path}: a step table needs exactly one '{col}' value, got "
                                    f"{sorted(map(str, data[col].unique())) if col in data else 'no column'}")
+        if not dist.is_main():
+            return
         replay = bool(data["replay"].iloc[0]) if "replay" in data else False
         folder = Path(self._path) / str(data["run"].iloc[0]) / f"step_{int(data['step'].iloc[0]):06d}"
         name = generate_timestamp() + (REPLAY_SUFFIX if replay else ".parquet")
         atomic_write(folder / name, lambda tmp: data.to_parquet(tmp, index=False))
-        self._last = data
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ Log-prob convention (shared with the trainer, so the rollout-vs-trainer gap is m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -83,7 +84,11 @@ class RolloutEngine(Protocol):
         model: torch.nn.Module,
         prompt_ids: list[list[int]],
         sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
     ) -> RolloutBatch:
-        """Sample ``sampling.n`` completions per prompt with ``model`` in eval mode, no grad."""
+        """Sample ``sampling.n`` completions per prompt with ``model`` in eval mode, no grad.
+
+        ``generator``: one for the whole batch, or one per prompt (then a prompt's samples depend on
+        its own generator alone, not on the other prompts of the batch: what lets data-parallel ranks
+        sample their shards exactly as one process samples the whole batch)."""
         ...

@@ -51,16 +51,19 @@ class HFGenerateEngine:
         model: torch.nn.Module,
         prompt_ids: list[list[int]],
         sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> RolloutBatch:
         device = next(model.parameters()).device
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator).item()) if generator is not None else None
-        chunks = _chunks(len(prompt_ids), self.batch_size or len(prompt_ids))
+        if isinstance(generator, (list, tuple)):  # one call per prompt, each seeded by its own generator
+            jobs = [((i, i + 1), g) for i, g in enumerate(generator)]
+        else:  # chunks of batch_size prompts drawing from one seeded stream
+            chunks = _chunks(len(prompt_ids), self.batch_size or len(prompt_ids))
+            jobs = [(c, generator if k == 0 else None) for k, c in enumerate(chunks)]
         parts = []
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            if seed is not None:
-                torch.manual_seed(seed)
-            for lo, hi in chunks:
+            for (lo, hi), g in jobs:
+                if g is not None:
+                    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g).item()))
                 parts.append(self._generate_chunk(model, prompt_ids[lo:hi], sampling, device, lo))
         return _concat(parts, sampling.pad_token_id)
 

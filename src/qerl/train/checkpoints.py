@@ -18,6 +18,8 @@ runs through :meth:`CheckpointStore.run_for`. A run directory holds::
 
 Every directory is written atomically (``qerl.atomic``). Loading validates the files first and never
 unpickles anything but tensors; a corrupt newest checkpoint falls back to the previous good one.
+Under ``torchrun`` only rank 0 writes (every writing method is a no-op on the other ranks, which
+read rank 0's files when they resume).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from qerl.atomic import atomic_directory, atomic_write
 from qerl.errors import QerlConfigError
+from qerl.train.distributed import is_main
 
 if TYPE_CHECKING:
     from qerl.params import TrainParams
@@ -131,6 +134,8 @@ class RunDir:
         return (self.path / RUN_FILE).exists()
 
     def write_info(self, info: dict[str, Any]) -> None:
+        if not is_main():
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         write_json(self.path / RUN_FILE, {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), **info})
 
@@ -140,7 +145,7 @@ class RunDir:
     def archive(self) -> Path | None:
         """Move an existing run directory aside (``rl.resume: never`` starts this configuration over;
         its old checkpoints must not be resumed later). Returns where it went."""
-        if not self.path.exists():
+        if not self.path.exists() or not is_main():
             return None
         dest = self.path.with_name(f"{self.fingerprint}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
         os.replace(self.path, dest)
@@ -151,12 +156,16 @@ class RunDir:
         return (self.path / COMPLETE_FILE).exists()
 
     def mark_complete(self, summary: dict[str, Any]) -> None:
+        if not is_main():
+            return
         write_json(self.path / COMPLETE_FILE, {"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **summary})
 
     def completion(self) -> dict[str, Any]:
         return read_json(self.path / COMPLETE_FILE) if self.is_complete() else {}
 
     def save_eval_before(self, table: pd.DataFrame) -> None:
+        if not is_main():
+            return
         write_json(self.path / EVAL_BEFORE_FILE, table.to_dict(orient="records"))
 
     def eval_before(self) -> pd.DataFrame | None:
@@ -175,6 +184,8 @@ class RunDir:
     def save_checkpoint(self, policy: Policy, meta: dict[str, Any], optim: dict[str, Any]) -> Path:
         """Write the full checkpoint of ``meta['step']`` atomically."""
         final = self.path / f"{STEP_PREFIX}{int(meta['step']):06d}"
+        if not is_main():
+            return final
         with atomic_directory(final) as tmp:
             save_adapter(policy, tmp)
             torch.save(optim, tmp / OPTIM_FILE)
@@ -202,6 +213,8 @@ class RunDir:
 
     def save_adapter_snapshot(self, policy: Policy, step: int) -> Path:
         final = self.path / "adapters" / f"{STEP_PREFIX}{step:06d}"
+        if not is_main():
+            return final
         with atomic_directory(final) as tmp:
             save_adapter(policy, tmp)
         return final

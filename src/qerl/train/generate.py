@@ -3,7 +3,11 @@ live adapter and the step's AQN noise, as the *rollouts table* (one row per comp
 
 The table is a plain DataFrame (persisted by the catalog, re-scorable, inspectable). Prompt order,
 sampling and noise are each drawn from ``rl.seed`` and the step (``qerl.train.seeds``), so a resumed
-run or a replay of step s sees exactly what the original run saw there.
+run or a replay of step s sees exactly what the original run saw there. Under ``torchrun`` (a process
+group, any number of ranks) each prompt samples from its own stream, drawn from the seed, the step and
+the prompt's number in the step, so N ranks sampling their shards generate what one rank generates for
+the whole step (a plain process samples the step from one stream: with the hf engine that is one
+batched ``generate`` instead of one per prompt).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from qerl.errors import QerlConfigError
 from qerl.noise.aqn import aqn_noise
 from qerl.rollout import get_engine
 from qerl.rollout.base import RolloutEngine, SamplingParams
+from qerl.train import distributed as dist
 from qerl.train.seeds import derive_seed, generator
 
 if TYPE_CHECKING:
@@ -76,12 +81,21 @@ def decode_completions(policy: Policy, completion_ids: list[list[int]]) -> list[
     return texts
 
 
+def sampling_generators(seed: int, step: int, numbers: list[int]) -> torch.Generator | list[torch.Generator]:
+    """The sampling stream of a step: one per prompt (``numbers``: their places in the step) under
+    ``torchrun``, one for the whole batch otherwise (see the module docstring)."""
+    if dist.initialized():
+        return [generator(seed, step, "sampling", index=i) for i in numbers]
+    return generator(seed, step, "sampling")
+
+
 def rollout_step(
     policy: Policy, prompts: pd.DataFrame, step: int, sigma: float, rollout: RolloutParams, seed: int,
-    engine: RolloutEngine | None = None,
+    engine: RolloutEngine | None = None, first: int = 0,
 ) -> pd.DataFrame:
     """Sample ``rollout.group_size`` completions for each of ``prompts`` at noise level ``sigma``
-    (sampling and noise drawn from ``seed`` and ``step``)."""
+    (sampling and noise drawn from ``seed`` and ``step``; ``first``: the step's number of ``prompts``'
+    first row, when they are a rank's shard of the step)."""
     r = rollout
     ids, kept, n_trunc, n_drop = encode_prompts(policy, list(prompts["prompt"]), r.max_prompt_tokens, r.overlong_prompt)
     if n_trunc or n_drop:
@@ -97,7 +111,7 @@ def rollout_step(
     engine = engine or get_engine(r.engine, policy.device, r.kv_budget_gib)
     t0 = time.perf_counter()
     with aqn_noise(policy.model, sigma, generator(seed, step, "aqn", policy.device)) as noise:
-        batch = engine.generate(policy.model, ids, sampling, generator(seed, step, "sampling"))
+        batch = engine.generate(policy.model, ids, sampling, sampling_generators(seed, step, [first + i for i in kept]))
     if policy.device.type == "cuda":
         torch.cuda.synchronize(policy.device)
     seconds = time.perf_counter() - t0

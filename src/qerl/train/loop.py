@@ -10,6 +10,10 @@
 ``qerl.train.update``) -> :func:`finish_step` (history, noise feedback, checkpoint). The Kedro
 pipeline ``qerl_train`` runs exactly these functions, one node per stage, repeated by
 ``qerl.runner.LoopRunner``.
+
+Data parallel: ``torchrun --nproc_per_node=N`` around a script that calls :func:`train` (or around
+``kedro run``) trains on N ranks, each generating a shard of every step's prompts; see
+``qerl.train.distributed`` and docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import pandas as pd
 import torch
 
 from qerl.noise.schedules import build_schedule
+from qerl.train import distributed as dist
 from qerl.train.checkpoints import CheckpointStore, RunDir, run_identity
 from qerl.train.generate import rollout_step, select_prompts
 from qerl.train.metrics import ROLLOUT_ENTROPY, console_line
@@ -63,6 +68,7 @@ def start_run(policy: Policy, params: TrainParams, prompts: pd.DataFrame, store:
     from qerl.rewards.base import check_reward_columns
 
     check_reward_columns(params.rewards.specs(), prompts.columns)
+    dist.barrier()  # under torchrun: rank 0's checkpoint writes are complete before any rank reads
     rl = params.rl
     identity = run_identity(params, prompts)
     run = store.run_for(params, prompts)
@@ -77,12 +83,23 @@ def start_run(policy: Policy, params: TrainParams, prompts: pd.DataFrame, store:
         restore(policy, state, ckpt)
         state.first_step = state.step
         log.info("resuming run %s from step %d/%d (%s)", run.key, state.step, rl.steps, ckpt.path)
-        return state
-    why = "rl.resume=never" if rl.resume == "never" else store.explain(run, identity)
-    log.info("starting run %s (%d steps): %s", run.key, rl.steps, why)
-    run.write_info({"identity": identity, "settings": params.model_dump(mode="json"), "policy": policy.identity()})
-    run.save_adapter_snapshot(policy, 0)  # the seeded initialisation: what a replay of step 1 samples from
+    else:
+        why = "rl.resume=never" if rl.resume == "never" else store.explain(run, identity)
+        log.info("starting run %s (%d steps): %s", run.key, rl.steps, why)
+        run.write_info({"identity": identity, "settings": params.model_dump(mode="json"), "policy": policy.identity()})
+        run.save_adapter_snapshot(policy, 0)  # the seeded initialisation: what a replay of step 1 samples from
+    _check_ranks_start_alike(policy, state, store)
     return state
+
+
+def _check_ranks_start_alike(policy: Policy, state: TrainState, store: CheckpointStore) -> None:
+    """Under ``torchrun`` every rank must start from rank 0's step and adapter (a resume reads rank 0's
+    checkpoint, so the checkpoint root must be one every node sees)."""
+    fix = (f"put the checkpoint root {store.root} on a filesystem every node sees (or start over with "
+           "--params qerl.rl.resume=never)")
+    dist.check_same(state.step, "checkpoints", "the ranks resume from different steps", fix)
+    checksum = sum(float(p.detach().double().abs().sum()) for p in policy.lora_parameters())
+    dist.check_same(checksum, "checkpoints", "the ranks start from different adapters", fix)
 
 
 def restore(policy: Policy, state: TrainState, ckpt: Any) -> None:
@@ -146,12 +163,19 @@ def _history(run: RunDir) -> list[dict[str, Any]]:
 
 
 def generate(policy: Policy, state: TrainState, prompts: pd.DataFrame, rollout: RolloutParams, rl: RLParams) -> pd.DataFrame:
-    """Stage 3 for the state's next step (or its replay step)."""
+    """Stage 3 for the state's next step (or its replay step); under ``torchrun`` this rank's
+    contiguous shard of the step's prompts (whole groups)."""
+    from qerl.errors import QerlConfigError
+
+    if not state.resident and dist.world_size() > 1:
+        raise QerlConfigError("replay", f"a replay regenerates a step in one process, not on {dist.world_size()} ranks",
+                              "run it without torchrun (or with --nproc_per_node=1 for a run trained under torchrun)")
     step = state.replay_step or state.step + 1
     _seed_global_rngs(rl.seed, step)
-    sigma = state.noise.sigma(step - 1)  # AQN: stage 0 noise-free, then decaying
+    sigma = state.noise.sigma(step - 1)  # AQN: stage 0 noise-free, then decaying; the same on every rank
     chosen = select_prompts(prompts, step, rl.prompts_per_step, rl.seed)
-    table = rollout_step(policy, chosen, step, sigma, rollout, rl.seed)
+    lo, hi = dist.shard(len(chosen))
+    table = rollout_step(policy, chosen.iloc[lo:hi].reset_index(drop=True), step, sigma, rollout, rl.seed, first=lo)
     table.insert(0, "run", state.run.key)
     table["replay"] = not state.resident
     return table
@@ -190,7 +214,10 @@ def run_step(ctx: RunContext) -> dict[str, Any]:
 
 def train(params: TrainParams, prompts: pd.DataFrame, on_step: Callable[[dict[str, Any]], None] | None = None, *,
           checkpoint_root: str = DEFAULT_CHECKPOINTS, policy: Policy | None = None) -> tuple[Policy, TrainState]:
-    """Build the 4-bit LoRA policy (unless given), start or resume the run, step until done."""
+    """Build the 4-bit LoRA policy (unless given), start or resume the run, step until done (under
+    ``torchrun``: on every rank, data parallel)."""
+    dist.init_from_env()
+    dist.check_world(params.rl.prompts_per_step, params.model.device)
     if policy is None:
         policy, _ = build_policy_for(params)
     state = start_run(policy, params, prompts, CheckpointStore(checkpoint_root))

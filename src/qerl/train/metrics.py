@@ -5,6 +5,9 @@ step's completions; ``reward/*`` the scores; ``train/*`` the trainer's update on
 ``mismatch/*`` the rollout/trainer gap (:func:`qerl.rl.objective.rollout_is_weights`);
 ``noise/*``, ``time/*``, ``memory/*`` the rest. The noise controller and the plots read
 ``rollout/entropy``; the trainer's own token entropy is ``train/entropy``.
+
+Under ``torchrun`` the row is the whole step's on every rank: the rollout and reward metrics are
+computed over every rank's rows (:func:`global_view`), times and memory are the slowest rank's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from qerl.train import distributed as dist
+
 ROLLOUT_ENTROPY = "rollout/entropy"
 REWARD_MEAN = "reward/mean"
 SIGMA = "noise/sigma"
@@ -26,6 +31,26 @@ CONSOLE = (
     ("rollout/tokens_per_s", "tok/s {:.0f}"), ("train/loss", "loss {:+.4f}"), ("mismatch/kl", "mismatch kl {:.1e}"),
     ("mismatch/is_weight_mean", "is w {:.3f}"),
 )
+
+
+#: Per-step columns of a step table and how the ranks' values combine (every other column the
+#: metrics read is per row).
+STEP_COLUMNS = {"step": "max", "sigma": "max", "noise_changed_fraction": "max", "generate_seconds": "max",
+                "score_seconds": "max", "prompts_truncated": "sum", "prompts_dropped": "sum", "reward_errors": "sum"}
+ROW_COLUMNS = ("sample", "completion_tokens", "truncated", "mean_entropy", "reward", "kept")
+
+
+def global_view(scored: pd.DataFrame) -> pd.DataFrame:
+    """The step table as the metrics read it, over every rank: the per-row columns of all ranks (rank
+    order, numeric) and the per-step columns combined (:data:`STEP_COLUMNS`). ``scored`` itself
+    without ``torchrun``."""
+    if dist.world_size() == 1:
+        return scored
+    rows = [c for c in scored.columns if c in ROW_COLUMNS or (c.startswith("reward_") and c not in STEP_COLUMNS)]
+    out = dist.gather_frames(scored[rows]).apply(pd.to_numeric, errors="coerce")
+    first = {c: float(scored[c].iloc[0]) for c in STEP_COLUMNS if c in scored}
+    return out.assign(**dist.all_sum({c: v for c, v in first.items() if STEP_COLUMNS[c] == "sum"}),
+                      **dist.all_max({c: v for c, v in first.items() if STEP_COLUMNS[c] == "max"}))
 
 
 def group_size(scored: pd.DataFrame) -> int:
@@ -78,12 +103,13 @@ def reward_metrics(scored: pd.DataFrame) -> dict[str, Any]:
 
 
 def step_row(scored: pd.DataFrame, update: dict[str, float], update_seconds: float, device: torch.device) -> dict[str, Any]:
-    """The step's whole metrics row: rollout, reward, update (``train/*``, ``mismatch/*``), time, memory."""
-    row = {**rollout_metrics(scored), **reward_metrics(scored)}
+    """The step's whole metrics row: rollout, reward, update (``train/*``, ``mismatch/*``), time, memory
+    (under ``torchrun`` the same row on every rank, see the module docstring)."""
+    whole = global_view(scored)
+    row = {**rollout_metrics(whole), **reward_metrics(whole)}
     row.update(update)
-    row["time/update"] = update_seconds
-    row["time/step"] = row["time/generate"] + row["time/score"] + update_seconds
-    row["memory/peak_gib"] = peak_memory_gib(device)
+    row.update(dist.all_max({"time/update": update_seconds, "memory/peak_gib": peak_memory_gib(device)}))
+    row["time/step"] = row["time/generate"] + row["time/score"] + row["time/update"]
     return row
 
 

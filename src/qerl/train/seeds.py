@@ -17,14 +17,18 @@ import torch
 PURPOSES = ("lora_init", "prompts", "sampling", "aqn", "minibatch", "eval")
 
 
-def derive_seed(seed: int, step: int, purpose: str) -> int:
-    """A deterministic 62-bit seed for ``purpose`` at ``step`` of a run seeded with ``seed``."""
+def derive_seed(seed: int, step: int, purpose: str, index: int | None = None) -> int:
+    """A deterministic 62-bit seed for ``purpose`` at ``step`` of a run seeded with ``seed`` (and, when
+    given, item ``index`` of the step, e.g. the step's prompt number: one stream per prompt)."""
     if purpose not in PURPOSES:
         raise ValueError(f"unknown seed purpose {purpose!r}; one of {PURPOSES}")
     parts = [int(seed) & 0xFFFFFFFF, int(step) & 0xFFFFFFFF, zlib.crc32(purpose.encode())]
+    if index is not None:
+        parts.append(int(index) & 0xFFFFFFFF)
     return int(np.random.SeedSequence(parts).generate_state(2, np.uint64)[0] >> 2)
 
 
-def generator(seed: int, step: int, purpose: str, device: torch.device | str = "cpu") -> torch.Generator:
+def generator(seed: int, step: int, purpose: str, device: torch.device | str = "cpu",
+              index: int | None = None) -> torch.Generator:
     """A torch generator on ``device`` seeded with :func:`derive_seed`."""
-    return torch.Generator(device=device).manual_seed(derive_seed(seed, step, purpose))
+    return torch.Generator(device=device).manual_seed(derive_seed(seed, step, purpose, index))

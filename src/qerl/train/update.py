@@ -12,6 +12,11 @@ With ``rl.old_logprobs: recompute`` the PPO ratio's denominator is a no-grad tra
 clean policy before the update (ratio exactly 1 on the first epoch), and ``rl.rollout_is`` weights
 each token by the truncated/masked ``pi_old / pi_rollout`` for the rollout/trainer mismatch (the 4-bit
 sampler's kernels and its AQN noise).
+
+Under ``torchrun`` (``qerl.train.distributed``) each rank holds the kept rows of its own prompts; the
+global batch is their concatenation in rank order. The minibatches are drawn over that global batch,
+the loss denominators count every rank's tokens and sequences, and the LoRA gradients are summed
+over the ranks before clipping, so N ranks take the optimizer step one process would take.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qerl.rl.logprobs import k3_kl, token_logprobs_and_entropy
 from qerl.rl.objective import LossNorm, policy_loss, rollout_is_weights
+from qerl.train import distributed as dist
 from qerl.train.metrics import step_row
 from qerl.train.seeds import generator
 
@@ -37,6 +43,10 @@ if TYPE_CHECKING:
     from qerl.train.state import TrainState
 
 log = logging.getLogger(__name__)
+
+
+#: Per-token statistics of ``policy_loss``, averaged over the optimizer step's tokens.
+WEIGHTED = ("clip_ratio_low", "clip_ratio_high", "clip_ratio", "ratio_mean", "entropy")
 
 
 class NonFiniteError(RuntimeError):
@@ -114,6 +124,11 @@ def completion_logprobs(model: torch.nn.Module, batch: dict[str, Any], temperatu
     return logp, entropy
 
 
+def _width(rows: pd.DataFrame) -> int:
+    """The longest completion of ``rows`` (at least 1; a rank may hold no kept rows)."""
+    return max(1, int(rows["completion_tokens"].max())) if len(rows) else 1
+
+
 def micro_batches(index: list[int], lengths: list[int], max_tokens: int | None) -> list[list[int]]:
     """Split ``index`` into micro-batches of at most ``max_tokens`` padded tokens (rows x longest row),
     longest rows first, so rows of similar length share a micro-batch (``None``: one batch)."""
@@ -174,7 +189,7 @@ def _sequence_forward(policy: Policy, rows: pd.DataFrame, idx: list[int], temper
 def recompute_logprobs(policy: Policy, rows: pd.DataFrame, temperature: float, chunk: int, budget: int | None,
                        adapter: bool = True) -> torch.Tensor:
     """No-grad trainer log-probs of every kept row [N, T] (eval mode: no dropout)."""
-    width = max(1, int(rows["completion_tokens"].max()))
+    width = _width(rows)
     out = torch.zeros((len(rows), width))
     lengths = (rows["prompt_tokens"] + rows["completion_tokens"]).tolist()
     for mb in micro_batches(list(range(len(rows))), lengths, budget):
@@ -191,11 +206,13 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
     fwd = (rollout.temperature, rl.logprob_chunk_tokens)
     step = int(scored["step"].iloc[0])
     rows = scored[scored["kept"]].reset_index(drop=True)
+    counts = dist.all_gather_counts(len(rows))  # kept rows of each rank: the global batch, in rank order
+    n_rows = sum(counts)
     stats: dict[str, float] = {}
     bad = False
-    if len(rows):
+    if n_rows:
         budget = micro_batch_tokens(policy, rl)
-        width = max(1, int(rows["completion_tokens"].max()))
+        width = _width(rows)
         rollout_lp = padded(list(rows["logprobs"]), width)
         mask = padded([[1.0] * n for n in rows["completion_tokens"]], width)
         policy.model.eval()
@@ -206,21 +223,25 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
             old, is_w = rollout_lp, None
             mstats = {}
         gap = ((old - rollout_lp).abs() * mask)
-        stats.update(mstats)
-        stats["mismatch/logprob_gap_mean"] = float(gap.sum() / mask.sum().clamp(min=1))
-        stats["mismatch/logprob_gap_max"] = float(gap.max())
-        norm = LossNorm.of(mask, rl.minibatches, rollout.max_new_tokens)
+        mstats["mismatch/logprob_gap_mean"] = float(gap.sum() / mask.sum().clamp(min=1))
+        mstats["mismatch/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+        stats.update(dist.reduce_stats(mstats, float(mask.sum())))  # token-weighted over the ranks
+        # LossNorm.of's denominators, counted over every rank: the batch's tokens per optimizer step
+        batch_tokens = dist.all_sum({"tokens": float(mask.sum())})["tokens"]
+        tokens_per_opt = max(batch_tokens, 1.0) / max(1, rl.minibatches)
         adv = torch.tensor(rows["advantage"].to_numpy(), dtype=torch.float32)
         lengths = (rows["prompt_tokens"] + rows["completion_tokens"]).tolist()
-        order = torch.randperm(len(rows), generator=generator(rl.seed, step, "minibatch")).tolist()
-        mb_size = math.ceil(len(rows) / rl.minibatches)
+        order = torch.randperm(n_rows, generator=generator(rl.seed, step, "minibatch")).tolist()
+        mb_size = math.ceil(n_rows / rl.minibatches)
         saved = _save_update_state(policy, state) if rl.epochs * rl.minibatches > 1 else None
         per_opt: list[dict[str, float]] = []
         policy.model.train()
         for epoch in range(rl.epochs):
-            for lo in range(0, len(rows), mb_size):
-                idx = order[lo: lo + mb_size]
-                mb_norm = LossNorm(tokens=norm.tokens, sequences=float(len(idx)), max_completion_length=norm.max_completion_length)
+            for lo in range(0, n_rows, mb_size):
+                minibatch = order[lo: lo + mb_size]  # global row numbers; this rank trains its own
+                idx = dist.local_indices(minibatch, counts)
+                mb_norm = LossNorm(tokens=tokens_per_opt, sequences=float(len(minibatch)),
+                                   max_completion_length=rollout.max_new_tokens)
                 s = _optimizer_step(policy, state, rows, idx, lengths, budget, old, is_w, adv, mb_norm, rl, fwd,
                                     track_kl=(epoch == 0 and lo == 0))
                 if s is None:
@@ -246,8 +267,10 @@ def _optimizer_step(policy: Policy, state: TrainState, rows: pd.DataFrame, idx: 
     """One optimizer step accumulated over micro-batches; None (weights untouched) on NaN/inf."""
     state.optimizer.zero_grad(set_to_none=True)
     acc: dict[str, float] = {"train/loss": 0.0, "train/pg_loss": 0.0}
-    weighted: dict[str, float] = {}
+    weighted = dict.fromkeys(WEIGHTED, 0.0)
+    kl = {"kl_sum": 0.0, "kl_tokens": 0.0, "kl_probed": 0.0}
     tokens = 0.0
+    finite = True
     micros = micro_batches(idx, lengths, budget)
     for k, mb in enumerate(micros):
         logp, ent, batch = _sequence_forward(policy, rows, mb, *fwd)
@@ -262,27 +285,36 @@ def _optimizer_step(policy: Policy, state: TrainState, rows: pd.DataFrame, idx: 
         loss, s = policy_loss(logp, old_mb, adv[mb].to(m.device), m, rl, norm,
                               ref_logprobs=ref if rl.beta > 0 else None, entropy=ent, is_weights=is_mb)
         if not torch.isfinite(loss) or not torch.isfinite(logp[m.bool()]).all():
-            state.optimizer.zero_grad(set_to_none=True)
-            return None
+            finite = False
+            break
         loss.backward()
         n_tok = float(m.sum())
         tokens += n_tok
         acc["train/loss"] += s["loss"]
         acc["train/pg_loss"] += s["pg_loss"]
-        for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio", "ratio_mean", "entropy"):
-            weighted[key] = weighted.get(key, 0.0) + s[key] * n_tok
+        for key in WEIGHTED:
+            weighted[key] += s[key] * n_tok
         if ref is not None and k == 0:
             d = k3_kl(logp.detach(), ref)[m.bool()]
-            acc["train/kl_to_base"] = float(d.mean()) if d.numel() else 0.0
+            kl = {"kl_sum": float(d.sum()), "kl_tokens": float(d.numel()), "kl_probed": 1.0}
+    if dist.any_rank(not finite):  # every rank skips the step together
+        state.optimizer.zero_grad(set_to_none=True)
+        return None
+    dist.all_reduce_grads(policy.lora_parameters())  # the whole batch's gradient on every rank
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.lora_parameters(), rl.max_grad_norm)
     if not torch.isfinite(grad_norm):
         state.optimizer.zero_grad(set_to_none=True)
         return None
     state.optimizer.step()
     state.scheduler.step()
-    acc.update({f"train/{k}": v / max(tokens, 1.0) for k, v in weighted.items()})
-    acc.update({"train/grad_norm": float(grad_norm), "train/micro_batches": float(len(micros))})
-    return acc
+    # the step's statistics over every rank: the loss shares add up, token means are token-weighted
+    sums = dist.all_sum({**acc, **weighted, **kl, "tokens": tokens, "micro_batches": float(len(micros))})
+    out = {"train/loss": sums["train/loss"], "train/pg_loss": sums["train/pg_loss"]}
+    out.update({f"train/{k}": sums[k] / max(sums["tokens"], 1.0) for k in WEIGHTED})
+    if sums["kl_probed"]:
+        out["train/kl_to_base"] = sums["kl_sum"] / max(sums["kl_tokens"], 1.0)
+    out.update({"train/grad_norm": float(grad_norm), "train/micro_batches": sums["micro_batches"]})
+    return out
 
 
 def _mean(stats: list[dict[str, float]]) -> dict[str, float]:

@@ -163,7 +163,9 @@ class FastEngine:
         if len(sp.eos_token_ids) > 8:
             raise ValueError("fast engine: at most 8 EOS ids are supported")
         dev = plan.device
-        if generator is not None:  # one uniform per row and step, whatever the waves
+        if isinstance(generator, (list, tuple)):  # one generator per prompt: its n rows' uniforms
+            u = torch.cat([torch.rand((T, n), generator=g, device=g.device).to(dev) for g in generator], dim=1)
+        elif generator is not None:  # one uniform per row and step, whatever the waves
             u = torch.rand((T, N), generator=generator, device=generator.device).to(dev)
         else:
             u = torch.rand((T, N), device=dev)
