@@ -29,7 +29,7 @@ PARAMS="$PARAMS,${QERL_SMOKE_EXTRA:-qerl.rl.entropy_coef=0.01}"
 ENGINE=${QERL_SMOKE_ENGINE:-auto}
 TIMER=""; [ -x /usr/bin/time ] && TIMER="/usr/bin/time -v"
 train() {  # train <engine>: the preset run, log in $OUT/run.log
-  $TIMER python3 -m kedro run -e gpu_paper --pipeline=qerl_train \
+  $TIMER python3 -m kedro run -e gpu_paper --pipelines=qerl_train \
     --params "$PARAMS,qerl.rollout.engine=$1" 2>&1 | tee "$OUT/run.log"
 }
 if ! train "$ENGINE"; then

@@ -59,6 +59,7 @@ def _env() -> dict[str, str]:
     env.update(
         KEDRO_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
         KEDRO_LOGGING_CONFIG=str(ROOT / "conf" / "logging.yml"), QERL_NUM_THREADS="2", PYTHONUNBUFFERED="1",
+        QERL_TRACKING="off",  # MLflow tracking is tests/test_tracking.py's; off, these stay fast
     )
     env.pop("KEDRO_ENV", None)
     return env
@@ -164,6 +165,7 @@ def test_train_end_to_end(project: Path) -> None:
     run_dir = project / "data" / "06_models" / "checkpoints" / run_key
     assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_000002", "step_000004"]
     assert (run_dir / "step_000004" / "adapter_config.json").exists() and (run_dir / "complete.json").exists()
+    assert not (project / "data" / "09_tracking").exists()  # QERL_TRACKING=off: no MLflow store
 
 
 def test_rerun_of_a_finished_run_is_a_no_op(project: Path) -> None:

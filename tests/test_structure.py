@@ -11,7 +11,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "qerl"
 KEDRO_LAYER = ("qerl.pipelines", "qerl.datasets", "qerl.hooks", "qerl.settings", "qerl.cli", "qerl.runner",
-               "qerl.pipeline_registry", "qerl.__main__")
+               "qerl.pipeline_registry", "qerl.__main__", "qerl.tracking")
 MAX_LINES = 400
 
 
