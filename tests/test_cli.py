@@ -132,7 +132,8 @@ def test_refusals_are_one_line_and_write_nothing(project: Path, args: list[str],
 
 
 def test_train_end_to_end(project: Path) -> None:
-    kedro(project, "run", "--pipelines=embedded_model")
+    built = kedro(project, "run", "--pipelines=embedded_model")
+    assert "Completed node" not in built.stdout + built.stderr  # Kedro's per-node lines are dropped
     model_dir = project / "data" / "06_models" / "embedded_model"
     assert (model_dir / "model.safetensors").exists() and (model_dir / "tokenizer.json").exists()
     acc = pd.read_csv(newest(project / "data" / "08_reporting" / "embedded_model_accuracy.csv"))

@@ -46,6 +46,19 @@ class QerlHooks:
         quiet_libraries()
 
 
+#: Kedro's per-node progress lines. The runner logs them under its own module's name, which for
+#: qerl.runner.LoopRunner is a qerl logger (INFO); they are dropped there, its own lines are kept.
+KEDRO_PROGRESS = ("Completed node:", "Completed %d out of %d tasks", "Using synchronous mode")
+RUNNER_LOGGER = "qerl.runner"
+
+
+class KedroProgressFilter(logging.Filter):
+    """Drops the :data:`KEDRO_PROGRESS` records (one or two per node: hundreds in a long run)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(KEDRO_PROGRESS))
+
+
 def quiet_warnings() -> None:
     """Ignore the :data:`HARMLESS_WARNINGS` (``settings.py`` calls this first: plugins warn on import)."""
     for pattern in HARMLESS_WARNINGS:
@@ -53,11 +66,14 @@ def quiet_warnings() -> None:
 
 
 def quiet_libraries() -> None:
-    """Silence progress bars and warnings known to be harmless; Kedro's per-node lines go to DEBUG."""
+    """Silence progress bars and warnings known to be harmless; Kedro's per-node lines are dropped."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
+    runner = logging.getLogger(RUNNER_LOGGER)
+    if not any(isinstance(f, KedroProgressFilter) for f in runner.filters):
+        runner.addFilter(KedroProgressFilter())
     quiet_warnings()
     try:
         from transformers.utils import logging as hf_logging
