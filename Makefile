@@ -20,8 +20,8 @@ setup: $(BIN)/kedro
 
 ## make run: build the embedded model when missing, then train it with QeRL (CPU, no network)
 run: setup
-	test -f data/06_models/embedded_model/config.json || $(BIN)/kedro run --pipeline=embedded_model
-	$(BIN)/kedro run --pipeline=qerl_train
+	test -f data/06_models/embedded_model/config.json || $(BIN)/kedro run --pipelines=embedded_model
+	$(BIN)/kedro run --pipelines=qerl_train
 
 ## make test: the test suite (what CI runs)
 test: setup

@@ -1,7 +1,7 @@
 """Print the newest ``quant_study`` results as the markdown table of docs/quantization-study.md and
 write them as JSON.
 
-    kedro run --pipeline=quant_study            # first: the study itself
+    kedro run --pipelines=quant_study            # first: the study itself
     python3 benchmarks/quant_study_table.py [--project .] [--out benchmarks/results/quant_study.json]
 
 After rerunning only some variants (a conf env whose ``quant_study.variants`` lists just those),

@@ -59,6 +59,7 @@ def _env() -> dict[str, str]:
     env.update(
         KEDRO_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
         KEDRO_LOGGING_CONFIG=str(ROOT / "conf" / "logging.yml"), QERL_NUM_THREADS="2", PYTHONUNBUFFERED="1",
+        QERL_TRACKING="off",  # MLflow tracking is tests/test_tracking.py's; off, these stay fast
     )
     env.pop("KEDRO_ENV", None)
     return env
@@ -131,7 +132,8 @@ def test_refusals_are_one_line_and_write_nothing(project: Path, args: list[str],
 
 
 def test_train_end_to_end(project: Path) -> None:
-    kedro(project, "run", "--pipelines=embedded_model")
+    built = kedro(project, "run", "--pipelines=embedded_model")
+    assert "Completed node" not in built.stdout + built.stderr  # Kedro's per-node lines are dropped
     model_dir = project / "data" / "06_models" / "embedded_model"
     assert (model_dir / "model.safetensors").exists() and (model_dir / "tokenizer.json").exists()
     acc = pd.read_csv(newest(project / "data" / "08_reporting" / "embedded_model_accuracy.csv"))
@@ -164,6 +166,7 @@ def test_train_end_to_end(project: Path) -> None:
     run_dir = project / "data" / "06_models" / "checkpoints" / run_key
     assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_000002", "step_000004"]
     assert (run_dir / "step_000004" / "adapter_config.json").exists() and (run_dir / "complete.json").exists()
+    assert not (project / "data" / "09_tracking").exists()  # QERL_TRACKING=off: no MLflow store
 
 
 def test_rerun_of_a_finished_run_is_a_no_op(project: Path) -> None:

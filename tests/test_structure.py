@@ -11,8 +11,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "qerl"
 KEDRO_LAYER = ("qerl.pipelines", "qerl.datasets", "qerl.hooks", "qerl.settings", "qerl.cli", "qerl.runner",
-               "qerl.config_loader", "qerl.tracking",
-               "qerl.pipeline_registry", "qerl.__main__")
+               "qerl.config_loader", "qerl.tracking", "qerl.pipeline_registry", "qerl.__main__")
 MAX_LINES = 400
 
 

@@ -13,9 +13,19 @@ from kedro.framework.hooks import hook_impl
 
 log = logging.getLogger(__name__)
 
-#: Loggers that flood the console at INFO (one line per node, dataset and weight file).
+#: Loggers that flood the console at INFO (one line per node, dataset and weight file; MLflow's store
+#: migrations and kedro-mlflow's set-up lines: qerl.tracking says in one line where the run goes).
 QUIET = ("kedro.io.data_catalog", "kedro.runner", "kedro.pipeline.node", "kedro.framework.session.session",
-         "kedro.io.core", "kedro.runner.sequential_runner", "transformers", "accelerate", "huggingface_hub")
+         "kedro.io.core", "kedro.runner.sequential_runner", "transformers", "accelerate", "huggingface_hub",
+         "kedro_mlflow", "mlflow", "alembic")
+
+#: Warnings known to be harmless, by message: bitsandbytes' offline probe of an optional hub kernel,
+#: OmegaConf resolver re-registration, Kedro's --pipeline deprecation, transformers' and peft's
+#: deprecation notes, bitsandbytes' CPU fallbacks. (mlflow's note on kedro-mlflow's model class is
+#: dropped by qerl.tracking: mlflow's own filter overrides these.)
+HARMLESS_WARNINGS = (".*kernels-community.*", ".*register_new_resolver.*", ".*--pipeline.*deprecated.*",
+                     ".*torch_dtype.*is deprecated.*", ".*gemv_4bit.*", ".*MatMul8bitLt.*",
+                     ".*is_gradient_checkpointing.*deprecated.*")
 
 
 class QerlHooks:
@@ -42,17 +52,35 @@ class QerlHooks:
         quiet_libraries()
 
 
+#: Kedro's per-node progress lines. The runner logs them under its own module's name, which for
+#: qerl.runner.LoopRunner is a qerl logger (INFO); they are dropped there, its own lines are kept.
+KEDRO_PROGRESS = ("Completed node:", "Completed %d out of %d tasks", "Using synchronous mode")
+RUNNER_LOGGER = "qerl.runner"
+
+
+class KedroProgressFilter(logging.Filter):
+    """Drops the :data:`KEDRO_PROGRESS` records (one or two per node: hundreds in a long run)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(KEDRO_PROGRESS))
+
+
+def quiet_warnings() -> None:
+    """Ignore the :data:`HARMLESS_WARNINGS` (``settings.py`` calls this first: plugins warn on import)."""
+    for pattern in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def quiet_libraries() -> None:
-    """Silence progress bars and warnings known to be harmless; Kedro's per-node lines go to DEBUG."""
+    """Silence progress bars and warnings known to be harmless; Kedro's per-node lines are dropped."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
-    # bitsandbytes tries to fetch an optional CPU kernel from the hub; offline it warns. Harmless.
-    for pattern in (".*kernels-community.*", ".*register_new_resolver.*", ".*--pipeline.*deprecated.*",
-                    ".*torch_dtype.*is deprecated.*", ".*gemv_4bit.*", ".*MatMul8bitLt.*",
-                    ".*is_gradient_checkpointing.*deprecated.*"):
-        warnings.filterwarnings("ignore", message=pattern)
+    runner = logging.getLogger(RUNNER_LOGGER)
+    if not any(isinstance(f, KedroProgressFilter) for f in runner.filters):
+        runner.addFilter(KedroProgressFilter())
+    quiet_warnings()
     try:
         from transformers.utils import logging as hf_logging
 

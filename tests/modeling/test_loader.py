@@ -182,6 +182,8 @@ def test_save_and_reload_bit_identical(tiny_model_dir: Path, tmp_path: Path, fmt
     assert qc["format"] == f"{fmt}-pack-quantized"
     assert qc["ignore"] == ["lm_head"]
     assert qc["config_groups"]["group_0"]["weights"]["group_size"] == (16 if fmt == "nvfp4" else 32)
+    # stock transformers + compressed-tensors decompress FP4 to bfloat16: the dtype they can run it in
+    assert config["dtype"] == "bfloat16" and config["qerl_quantization"]["dtype"] == "float32"
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert (

@@ -5,6 +5,12 @@ A checkpoint is a ``model.safetensors`` holding the state dict (``<layer>.weight
 tied output embedding stored once) plus a ``config.json`` with a compressed-tensors style
 ``quantization_config`` and a ``qerl_quantization`` entry for our own reload. Written atomically
 (temporary directory + rename); reloaded with every tensor in the dtype and bits it was saved in.
+
+Stock transformers + compressed-tensors also load it, in bfloat16 only: compressed-tensors
+decompresses FP4 weights to bfloat16 whatever the model's dtype (so float32 / float16 activations
+meet bfloat16 weights: "self and mat2 must have the same dtype"). The config's ``dtype`` therefore
+says ``bfloat16``, and ``from_pretrained(path)`` (dtype ``auto``) works; our own reload takes the
+dtype from ``qerl_quantization`` instead (float32 on CPU), so it stays bit-identical.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ def save_quantized(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike[
     tensors = _deduplicated_state_dict(model)
     config = copy.deepcopy(model.config)
     config.quantization_config = _compressed_tensors_config(model, fmt)
+    config.dtype = torch.bfloat16  # what stock compressed-tensors runs it in (module docstring)
     setattr(
         config,
         QERL_CONFIG_KEY,
