@@ -71,6 +71,11 @@ def _guarded(command: click.Command) -> click.Command:
             names = list(kwargs.get("pipelines") or []) + ([kwargs["pipeline"]] if kwargs.get("pipeline") else [])
             check_pipeline_names(names)
             return original(*args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: an MLflow run (if any) ends as KILLED, not FINISHED
+            mlflow = sys.modules.get("mlflow")
+            if mlflow is not None and mlflow.active_run() is not None:
+                mlflow.end_run("KILLED")
+            raise
         except Exception as err:  # noqa: BLE001 - refusals become one line, anything else re-raises
             refusal = _user_error(err)
             if refusal is None or os.environ.get("QERL_DEBUG"):
