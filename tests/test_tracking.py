@@ -41,6 +41,15 @@ def test_switch_on_with_the_extra_registers_the_wrapped_plugin_hook(monkeypatch:
     assert type(hooks[0]._plugin).__module__ == "kedro_mlflow.framework.hooks.mlflow_hook"
 
 
+def test_under_torchrun_only_rank_zero_tracks(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("kedro_mlflow")
+    monkeypatch.delenv("QERL_TRACKING", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    assert tracking.tracking_hooks() == ()
+    monkeypatch.setenv("RANK", "0")
+    assert [type(h).__name__ for h in tracking.tracking_hooks()] == ["MlflowTracking"]
+
+
 def test_params_are_the_validated_blocks_flattened() -> None:
     flat = tracking.flat_params({"qerl": TrainParams(rl={"lr": 2e-3}, lora={"target_modules": ["q_proj"]})})
     assert flat["qerl.rl.lr"] == "0.002" and flat["qerl.quant.format"] == "nvfp4"

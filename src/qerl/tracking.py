@@ -72,7 +72,15 @@ def tracking_hooks() -> tuple[Any, ...]:
         return ()
     with _hidden_warning(_PLUGIN_IMPORT_WARNING):
         import kedro_mlflow.framework.hooks.mlflow_hook  # noqa: F401
-    return (MlflowTracking(),) if tracking_requested() else ()
+    return (MlflowTracking(),) if tracking_requested() and _is_rank_zero() else ()
+
+
+def _is_rank_zero() -> bool:
+    """Under ``torchrun`` only rank 0 tracks: the ranks train the same adapter, one MLflow run is the record."""
+    try:
+        return int(os.environ.get("RANK", "0")) == 0
+    except ValueError:
+        return True
 
 
 @contextmanager

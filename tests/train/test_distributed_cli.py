@@ -33,7 +33,8 @@ qerl:
 
 def _torchrun_kedro(project: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KEDRO_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "1", "QERL_NUM_THREADS": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "KEDRO_LOGGING_CONFIG": str(project / "conf" / "logging.yml")}
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "QERL_TRACKING": "off",
+           "KEDRO_LOGGING_CONFIG": str(project / "conf" / "logging.yml")}
     env.pop("KEDRO_ENV", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "qerl", *args]
     proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=300)
