@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and tests of issues #9, #10 and #16 on the device machine, in the order given,
+# each phase time-boxed; everything measured is written under $OUT as it goes (at most 8 files come
+# back). From the repo root, with .whl/ (humming-kernels, tabulate) and .whl_kedro/ (pydantic,
+# bitsandbytes, kedro, ...) carried:
+#   bash benchmarks/gpu_session.sh "tests tune rollout7b64 rollout7b1 rollout32b"
+#   bash benchmarks/gpu_session.sh "rlstep7b rlstep32b rlstep72b"
+# The humming tuning cache starts from benchmarks/results/humming_tuning_h200.json when present.
+set -x
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KEDRO_DISABLE_TELEMETRY=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl .whl_kedro/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src
+export QERL_HUMMING_TUNING=$OUT/humming_tuning_h200.json
+[ -f benchmarks/results/humming_tuning_h200.json ] && cp benchmarks/results/humming_tuning_h200.json "$QERL_HUMMING_TUNING"
+exec > >(tee -a "$OUT/run.log") 2>&1
+PHASES=${1:-"tests tune rollout7b64 rollout7b1 rollout32b"}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
+python3 -c "import torch, transformers, humming, triton, peft; print(torch.__version__, transformers.__version__, humming.__version__, triton.__version__, peft.__version__)"
+start=$(date +%s)
+RL="python3 benchmarks/rl_step.py"
+for phase in $PHASES; do
+  echo "=== $phase at +$(( $(date +%s) - start ))s ($(date -u +%H:%M:%S) UTC)"
+  case $phase in
+    tests)
+      timeout 80 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE \
+        tests/kernels/test_gpu_fp4.py tests/kernels/test_dispatch.py \
+        tests/rollout/test_decode_kernels.py \
+        tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
+        tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tune)
+      timeout 70 python3 -m qerl.kernels.tune --models 7b,32b --formats nvfp4 --ms 1,32,64 --budget-s 55 ;;
+    micro)
+      timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
+    crossover)
+      timeout 90 python3 benchmarks/fp4_matmul.py --model 7b --crossover --ms 128,512,1024,2048 \
+        --json "$OUT/fp4_crossover.json" ;;
+    train)
+      timeout 60 python3 benchmarks/fp4_matmul.py --train --json "$OUT/fp4_train.json" ;;
+    rollout7b64)
+      timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
+        --columns hf_bf16,fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora \
+        --json "$OUT/rollout_7b64.json" ;;
+    rollout7b1)
+      timeout 70 python3 benchmarks/rollout_throughput.py --rows 7b-1 \
+        --columns fast_bf16,fast_nvfp4_lora,fast_mxfp4_lora --json "$OUT/rollout_7b1.json" ;;
+    rollout32b)
+      timeout 200 python3 benchmarks/rollout_throughput.py --rows 32b-32 \
+        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora,hf_bf16 --json "$OUT/rollout_32b32.json" ;;
+    rlstep7b)  # the paper-like workload: 16 prompts x 8 samples, prompt 256, 1024 new tokens, 2 steps
+      timeout 300 $RL --cells 7b/none,7b/nvfp4 --json "$OUT/rl_step_7b.json" ;;
+    rlstep32b)  # memory at 32B: 2 prompts x 8 samples, one step, budgets for a 40 GiB GPU
+      timeout 150 $RL --cells 32b/nvfp4 --prompts 2 --steps 1 --memory-budget 38 --kv-budget 10 \
+        --json "$OUT/rl_step_32b.json" ;;
+    rlstep72b)  # memory at 72B: budgets for an 80 GiB GPU
+      timeout 200 $RL --cells 72b/nvfp4 --prompts 2 --steps 1 --memory-budget 76 --kv-budget 20 \
+        --json "$OUT/rl_step_72b.json" ;;
+  esac
+  echo "=== $phase rc=$? at +$(( $(date +%s) - start ))s"
+done
