@@ -149,6 +149,8 @@ def one_step(policy: Policy, step: int, args, rl: RLParams, rollout: RolloutPara
         batch = engine.generate(policy.model, ids, sampling, sampling_generators(0, step, list(range(lo, hi))))
     _sync()
     t_roll = time.perf_counter() - t0
+    alloc_rollout = torch.cuda.memory_allocated() / 2**30 if DEVICE.type == "cuda" else float("nan")
+    del engine  # (the cached engine released its KV cache when generate returned)
     table = rollouts_table(policy, prompts, batch, step, args.sigma, t_roll, 0, 0)
     table.insert(0, "run", "bench/rl_step")
     scored = score_step(table, RewardParams(functions=[{"name": "bench_random", "kwargs": {"seed": step}}]), rl)
@@ -156,6 +158,7 @@ def one_step(policy: Policy, step: int, args, rl: RLParams, rollout: RolloutPara
     row = update_step(policy, state, scored, rl, rollout)
     _sync()
     row["peak_rollout_gib"] = peak_rollout
+    row["alloc_after_rollout_gib"] = alloc_rollout
     row["peak_gib"] = _peak_gib()
     return row
 
@@ -190,14 +193,19 @@ def run_cell(arch: str, fmt: str, args, rate: float, tmp: Path) -> dict:
             "world_size": dist.world_size(),
             "rollout_tokens_per_s": row["rollout/tokens_per_s"], "update_floor_s": floor,
             "update_x_floor": row["time/update"] / floor, "peak_gib": row["peak_gib"],
-            "peak_rollout_gib": row["peak_rollout_gib"], "micro_batches": row.get("train/micro_batches"),
+            "peak_rollout_gib": row["peak_rollout_gib"],
+            "alloc_after_rollout_gib": row["alloc_after_rollout_gib"], "micro_batches": row.get("train/micro_batches"),
             "mismatch_kl": row.get("mismatch/kl"), "logprob_gap_mean": row.get("mismatch/logprob_gap_mean"),
             "is_weight_mean": row.get("mismatch/is_weight_mean"), "is_clipped_frac": row.get("mismatch/is_clipped_frac"),
             "loss": row.get("train/loss"), "steps_run": args.steps,
         })
     except torch.OutOfMemoryError as err:
-        cell.update({"oom": True, "error": str(err).splitlines()[0][:200]})
+        import traceback
+
+        where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(err.__traceback__)]
+        cell.update({"oom": True, "error": str(err).splitlines()[0][:200], "where": where[-6:]})
     finally:
+        get_engine.cache_clear()  # its plan holds the cell's model
         del policy
         gc.collect()
         if DEVICE.type == "cuda":

@@ -146,6 +146,37 @@ def test_top_p_restricts_to_nucleus() -> None:
     assert torch.equal(g, logits.argmax(-1))
 
 
+def test_nucleus_threshold_keeps_the_sorted_nucleus() -> None:
+    """The sort-free nucleus is the set a descending sort keeps (an independent computation)."""
+    from qerl.rollout.fast.sampling import nucleus_threshold
+
+    torch.manual_seed(1)
+    p = torch.softmax(torch.randn(32, 1000) * torch.linspace(0.5, 6, 32)[:, None], -1)
+    for top_p in (0.3, 0.9, 0.999):
+        keep = p >= nucleus_threshold(p, torch.tensor([top_p]))
+        sp, idx = torch.sort(p, -1, descending=True)
+        before = sp.cumsum(-1) - sp  # the mass ranked above each token
+        ref = torch.zeros_like(keep).scatter(-1, idx, before < top_p)
+        boundary = torch.zeros_like(keep).scatter(-1, idx, (before - top_p).abs() < 1e-5)
+        assert not (keep != ref)[~boundary].any(), top_p  # equal up to float rounding of the sums
+        assert (keep != ref).sum() <= 1
+    peaked = torch.tensor([[0.97, 0.02, 0.01]])  # one token alone reaches top_p: only it is kept
+    assert torch.equal(peaked >= nucleus_threshold(peaked, torch.tensor([0.9])), torch.tensor([[True, False, False]]))
+
+
+def test_engine_releases_its_kv_cache_unless_asked_to_keep_it() -> None:
+    model = _model("qwen2")
+    sp = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_token_ids=(), pad_token_id=0)
+    eng = FastEngine()
+    eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+    assert eng._state is None and eng._plan is not None
+    keep = FastEngine(keep_state=True)
+    keep.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+    assert keep._state is not None
+    keep.release()
+    assert keep._state is None
+
+
 def test_eos_stops_rows_like_hf() -> None:
     model = _model("qwen2", seed=1)
     sp0 = SamplingParams(n=1, greedy=True, max_new_tokens=10, eos_token_ids=(), pad_token_id=0)
@@ -307,7 +338,7 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
     previous = use_backend(fp4)
     try:
         model = _gpu_model(fmt)
-        eng = FastEngine()
+        eng = FastEngine(keep_state=True)  # the second call replays the first call's graph
         sp = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=40,
                             eos_token_ids=(), pad_token_id=0)
         out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
@@ -331,6 +362,22 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
         assert not torch.allclose(out2.logprobs, out.logprobs)
     finally:
         use_backend(previous)
+
+
+@gpu
+@pytest.mark.parametrize("fmt,lora", [(None, False), ("nvfp4", True)])
+def test_gpu_graph_captured_at_real_model_width(fmt, lora) -> None:
+    """7B widths and the 152k vocabulary (two layers): the decode step is captured as a graph
+    (top-p sampling and the LoRA side stream included), and agrees with a full forward pass."""
+    model = _model("qwen2", fmt=fmt, lora=lora, device="cuda", dtype=torch.bfloat16,
+                   hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                   num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
+    eng = FastEngine()
+    sp = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_new_tokens=20, eos_token_ids=(), pad_token_id=0)
+    out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+    assert eng.last_stats["cuda_graph"], "decode step not captured"
+    err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
+    assert err.mean() < 0.05, err.mean()
 
 
 @gpu

@@ -152,7 +152,7 @@ def micro_batch_tokens(policy: Policy, rl: RLParams) -> int | None:
     """``rl.micro_batch_tokens``, with ``auto`` sized from the free accelerator memory (or what
     ``rl.memory_budget_gib`` leaves above the memory in use): activations per token are estimated from
     the model's shape (checkpointed layer inputs, or every layer's intermediates without
-    checkpointing) and 60 % of that memory is used."""
+    checkpointing, plus the logits and their gradient) and 60 % of that memory is used."""
     v = rl.micro_batch_tokens
     if v != "auto":
         return v
@@ -163,7 +163,9 @@ def micro_batch_tokens(policy: Policy, rl: RLParams) -> int | None:
     bytes_el = 2 if policy.dtype in (torch.bfloat16, torch.float16) else 4
     one_layer = (12 * h + 4 * inter) * bytes_el
     per_token = layers * h * bytes_el + one_layer if rl.gradient_checkpointing else layers * one_layer
+    per_token += 2 * cfg.vocab_size * bytes_el  # the LM head's logits and their gradient
     free, _ = torch.cuda.mem_get_info(policy.device)
+    free += torch.cuda.memory_reserved(policy.device) - torch.cuda.memory_allocated(policy.device)  # cached
     if rl.memory_budget_gib is not None:
         free = min(free, rl.memory_budget_gib * 2**30 - torch.cuda.memory_allocated(policy.device))
     return max(256, int(0.6 * free / per_token))

@@ -33,8 +33,10 @@ def _shrink(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | N
     return part
 
 
-def _join(st: State) -> None:
-    if st.side is not None:
+def _join(st: State, part: torch.Tensor | None) -> None:
+    """Make the main stream wait for the side stream's shrink; only after a fork (during graph
+    capture, waiting on a side stream that did not fork from the capture invalidates it)."""
+    if st.side is not None and part is not None:
         torch.cuda.current_stream().wait_stream(st.side)
 
 
@@ -73,17 +75,17 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
         x = K.add_rmsnorm(h, lay.ln1, lay.eps1, prev)
         part = _shrink(st, "qkv", lay.qkv, x)
         q, k, v = _epilogues(ctx, lay.qkv, _raw(ctx, lay.qkv, x), part, rows)
-        _join(st)
+        _join(st, part)
         qr = K.qkv_rope(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot, st.pad,
                         plan.rope_scale, plan.n_heads, plan.n_kv, plan.head_dim)
         ao = K.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling)
         part = _shrink(st, "o", lay.o, ao)
         (o,) = _epilogues(ctx, lay.o, _raw(ctx, lay.o, ao), part, rows)
-        _join(st)
+        _join(st, part)
         x = K.add_rmsnorm(h, lay.ln2, lay.eps2, o)
         part = _shrink(st, "gu", lay.gu, x)
         g, u = _epilogues(ctx, lay.gu, _raw(ctx, lay.gu, x), part, rows)
-        _join(st)
+        _join(st, part)
         down = lay.down
         dpart = st.partials["down"] if down.r_total else None
         act = K.silu_mul(g, u.raw, down.a_cat if down.r_total else None, dpart)

@@ -59,13 +59,18 @@ class FastEngine:
         kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
         lora_overlap: run the LoRA shrink kernels on a side stream (CUDA).
+        keep_state: keep the KV cache, sampling buffers and captured graph between calls (a
+            benchmark's repeated calls); by default they are released when ``generate`` returns, so
+            the memory sized from the free device memory goes back to the trainer's update (the
+            plan and the prepared 4-bit GEMM tensors are kept either way).
     """
 
     name = "fast"
 
     def __init__(self, backend: str = "auto", use_cuda_graph: bool = True, check_every: int = 16,
                  cache_multiple: int = 128, kv_budget_gib: float | None = None,
-                 kv_budget_fraction: float = 0.85, lora_overlap: bool = True) -> None:
+                 kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
+                 keep_state: bool = False) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
         if kv_budget_gib is not None and not kv_budget_gib > 0:
@@ -79,6 +84,7 @@ class FastEngine:
         self.kv_budget_gib = kv_budget_gib
         self.kv_budget_fraction = kv_budget_fraction
         self.lora_overlap = lora_overlap
+        self.keep_state = keep_state
         self._plan: Plan | None = None
         self._gemms: dict[int, GroupGemm] | None = None
         self._gemm_backend: str | None = None
@@ -131,6 +137,12 @@ class FastEngine:
             return self._generate(model, prompt_ids, sampling, generator)
         finally:
             model.train(was_training)
+            if not self.keep_state:
+                self.release()
+
+    def release(self) -> None:
+        """Free the KV cache, sampling buffers and captured graph (the next call rebuilds them)."""
+        self._state = None
 
     def wave_rows(self, plan: Plan, n_rows: int, slots: int, group: int) -> int:
         """Rows per wave: all of them if their KV cache and sampling buffers fit the budget, else
