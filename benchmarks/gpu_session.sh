@@ -54,10 +54,12 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 60 python3 benchmarks/rollout_throughput.py --rows 7b-1 \
         --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_7b1.json" ;;
     rollout32b)
-      timeout 150 python3 benchmarks/rollout_throughput.py --rows 32b-32 \
+      timeout 120 python3 benchmarks/rollout_throughput.py --rows 32b-32 \
         --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_32b32.json" ;;
-    rlstep7b)  # the paper-like workload: 16 prompts x 8 samples, prompt 256, 1024 new tokens, 2 steps
-      timeout 260 $RL --cells 7b/none,7b/nvfp4 --json "$OUT/rl_step_7b.json" ;;
+    updatemem)  # activation bytes per token of the update, checkpointing on and off
+      timeout 60 python3 benchmarks/update_memory.py --model 7b --format nvfp4 --rows 2,4 --json "$OUT/update_memory.json" ;;
+    rlstep7b)  # the paper-like workload: 16 prompts x 8 samples, prompt 256, 1024 new tokens, 2 steps, 64 GiB
+      timeout 250 $RL --cells 7b/none,7b/nvfp4 --memory-budget 64 --json "$OUT/rl_step_7b.json" ;;
     rlstep32b)  # memory at 32B: 2 prompts x 8 samples, one step, budgets for a 40 GiB GPU
       timeout 150 $RL --cells 32b/nvfp4 --prompts 2 --steps 1 --memory-budget 38 --kv-budget 10 \
         --json "$OUT/rl_step_32b.json" ;;

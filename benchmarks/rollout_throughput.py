@@ -265,6 +265,8 @@ def profile_decode(eng, steps: int = 5) -> dict:
     st, plan = eng._state, eng._plan
     ctx = TorchContext(gemms=eng._gemms)
     saved = st.snapshot()
+    st.slot.sub_(steps + 1)  # the timed run left the state at the end of the cache and of the
+    st.step.sub_(steps + 1)  # uniforms: rewind, or the extra steps would write past both
     decode.step(plan, st, ctx)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
