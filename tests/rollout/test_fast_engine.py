@@ -146,24 +146,6 @@ def test_top_p_restricts_to_nucleus() -> None:
     assert torch.equal(g, logits.argmax(-1))
 
 
-def test_nucleus_threshold_keeps_the_sorted_nucleus() -> None:
-    """The sort-free nucleus is the set a descending sort keeps (an independent computation)."""
-    from qerl.rollout.fast.sampling import nucleus_threshold
-
-    torch.manual_seed(1)
-    p = torch.softmax(torch.randn(32, 1000) * torch.linspace(0.5, 6, 32)[:, None], -1)
-    for top_p in (0.3, 0.9, 0.999):
-        keep = p >= nucleus_threshold(p, torch.tensor([top_p]))
-        sp, idx = torch.sort(p, -1, descending=True)
-        before = sp.cumsum(-1) - sp  # the mass ranked above each token
-        ref = torch.zeros_like(keep).scatter(-1, idx, before < top_p)
-        boundary = torch.zeros_like(keep).scatter(-1, idx, (before - top_p).abs() < 1e-5)
-        assert not (keep != ref)[~boundary].any(), top_p  # equal up to float rounding of the sums
-        assert (keep != ref).sum() <= 1
-    peaked = torch.tensor([[0.97, 0.02, 0.01]])  # one token alone reaches top_p: only it is kept
-    assert torch.equal(peaked >= nucleus_threshold(peaked, torch.tensor([0.9])), torch.tensor([[True, False, False]]))
-
-
 def test_engine_releases_its_kv_cache_unless_asked_to_keep_it() -> None:
     model = _model("qwen2")
     sp = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_token_ids=(), pad_token_id=0)

@@ -3,7 +3,7 @@ decode step's CUDA graph on GPU.
 
 One uniform ``u`` per row and step (drawn by the caller from its generator) picks the token by
 inverse CDF: the first token whose cumulative probability exceeds ``u`` times the kept mass (the
-whole vocabulary, or the top-p nucleus found by :func:`nucleus_threshold`, both in vocabulary order). Log-probs and entropies come
+whole vocabulary, or the top-p nucleus in descending-logit order). Log-probs and entropies come
 from :func:`qerl.rl.logprobs.token_logprobs_and_entropy`, the one implementation the trainer uses
 too, on ``logits / T`` (top-p not renormalised; greedy reports ``T = 1``).
 """
@@ -14,28 +14,7 @@ import torch
 
 from qerl.rl.logprobs import token_logprobs_and_entropy
 
-__all__ = ["nucleus_threshold", "sample_tokens"]
-
-#: bisection steps of :func:`nucleus_threshold` (the threshold is exact to ``max p / 2**steps``)
-NUCLEUS_STEPS = 28
-
-
-def nucleus_threshold(p: torch.Tensor, top_p: torch.Tensor, steps: int = NUCLEUS_STEPS) -> torch.Tensor:
-    """The top-p nucleus of each row of probabilities ``p [B, V]`` as a threshold ``tau [B, 1]``:
-    the largest ``tau`` with ``sum(p[p >= tau]) >= top_p``, i.e. the probability of the last token
-    a descending sort would keep. Found by bisection on ``[0, max p]`` with element-wise ops only:
-    no sort, so it is cheap at a 152k vocabulary and can be captured in a CUDA graph (a large
-    ``torch.sort`` could not be)."""
-    lo = torch.zeros_like(p[:, :1])
-    hi = p.amax(dim=-1, keepdim=True)
-    for _ in range(steps):
-        mid = (lo + hi) * 0.5
-        ok = (p * (p >= mid)).sum(dim=-1, keepdim=True) >= top_p
-        lo = torch.where(ok, mid, lo)
-        hi = torch.where(ok, hi, mid)
-    # lo keeps mass >= top_p; hi is the row max when that token alone reaches top_p
-    alone = p.amax(dim=-1, keepdim=True) >= top_p
-    return torch.where(alone, hi, lo)
+__all__ = ["sample_tokens"]
 
 
 def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tensor,
@@ -58,9 +37,13 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tens
             target = (u * c[:, -1]).unsqueeze(-1)
             tok = torch.searchsorted(c, target, right=True).clamp_max(vocab - 1).squeeze(-1)
         else:
-            keep = p >= nucleus_threshold(p, top_p)
-            c = (p * keep).cumsum(dim=-1)
-            target = (u * c[:, -1]).unsqueeze(-1)
-            tok = torch.searchsorted(c, target, right=True).clamp_max(vocab - 1).squeeze(-1)
+            _, sidx = torch.sort(x, dim=-1, descending=True)
+            sp = p.gather(-1, sidx)
+            c = sp.cumsum(dim=-1)
+            keep = (c - sp) < top_p
+            nkeep = keep.sum(dim=-1, keepdim=True).clamp_min(1)
+            mass = c.gather(-1, nkeep - 1)
+            j = torch.minimum(torch.searchsorted(c, u.unsqueeze(-1) * mass, right=True), nkeep - 1)
+            tok = sidx.gather(-1, j).squeeze(-1)
     lp, ent = token_logprobs_and_entropy(z.unsqueeze(1), tok.unsqueeze(1), 1.0, chunk_size=None)
     return tok, lp.squeeze(1), ent.squeeze(1)
