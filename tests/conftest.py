@@ -31,16 +31,10 @@ def _tiny_tokenizer():  # -> PreTrainedTokenizerFast
     )
 
 
-def make_tiny_causal_lm(
-    path: Path, arch: str = "qwen2", seed: int = 0, **overrides: object
-) -> Path:
-    """Save a random 2-layer model of ``arch`` ("qwen2" or "llama") and a tokenizer to ``path``.
-
-    Dimensions are multiples of 64 (hidden 64, MLP 128, vocab 64); Qwen2 ties its embeddings and
-    has q/k/v biases, Llama does not tie. ``overrides`` go to the config.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+def tiny_config(arch: str = "qwen2", **overrides: object):  # -> Qwen2Config | LlamaConfig
+    """A random 2-layer config of ``arch`` ("qwen2" or "llama"): hidden 64, MLP 128, vocab 64, pad 0;
+    Qwen2 ties its embeddings and has q/k/v biases, Llama does not tie. ``overrides`` go to the config."""
+    from transformers import LlamaConfig, Qwen2Config
 
     common: dict[str, object] = dict(
         vocab_size=TINY_VOCAB,
@@ -55,17 +49,32 @@ def make_tiny_causal_lm(
         bos_token_id=1,
     )
     if arch == "qwen2":
-        config = Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
-    elif arch == "llama":
-        config = LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
-    else:
-        raise ValueError(f"unknown arch {arch!r}")
+        return Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+    if arch == "llama":
+        return LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
+    raise ValueError(f"unknown arch {arch!r}")
+
+
+def make_tiny_causal_lm(
+    path: Path, arch: str = "qwen2", seed: int = 0, **overrides: object
+) -> Path:
+    """Save a random model of :func:`tiny_config` and a tokenizer to ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     _tiny_tokenizer().save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_config_factory() -> Callable[..., object]:
+    """``factory(arch="qwen2", **config_overrides)``: :func:`tiny_config` for tests."""
+    return tiny_config
 
 
 @pytest.fixture(scope="session")

@@ -18,23 +18,10 @@ from qerl.quant.linear import QuantLinear, quantize_model_
 torch.set_num_threads(1)
 
 
-def tiny_config(**overrides: object):  # -> Qwen2Config
-    """A 2-layer Qwen2 (hidden 64, MLP 128, vocab 80, tied embeddings, pad 0)."""
-    from transformers import Qwen2Config
-
-    kwargs: dict[str, object] = dict(
-        vocab_size=80,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return Qwen2Config(**{**kwargs, **overrides})
+@pytest.fixture
+def tiny_config(tiny_config_factory):
+    """The shared tiny Qwen2 config (tests/conftest.py) with vocabulary 80."""
+    return lambda **over: tiny_config_factory("qwen2", **{"vocab_size": 80, **over})
 
 
 def _bits(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -83,7 +70,7 @@ def test_72b_preset_shape() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
-def test_every_linear_but_lm_head_is_quantized_and_logits_are_finite(fmt: str) -> None:
+def test_every_linear_but_lm_head_is_quantized_and_logits_are_finite(fmt: str, tiny_config) -> None:
     if fmt == "nf4":
         bnb = pytest.importorskip("bitsandbytes")
         quant_type: type = bnb.nn.Linear4bit
@@ -103,7 +90,7 @@ def test_every_linear_but_lm_head_is_quantized_and_logits_are_finite(fmt: str) -
     assert logits.float().std() > 0
 
 
-def test_initialisation_follows_the_config() -> None:
+def test_initialisation_follows_the_config(tiny_config) -> None:
     model = build_random_policy_base(
         tiny_config(initializer_range=0.05), "none", "cpu", torch.float32
     )
@@ -117,7 +104,7 @@ def test_initialisation_follows_the_config() -> None:
     )
 
 
-def test_deterministic_for_a_seed() -> None:
+def test_deterministic_for_a_seed(tiny_config) -> None:
     a = build_random_policy_base(tiny_config(), "nvfp4", seed=3)
     b = build_random_policy_base(tiny_config(), "nvfp4", seed=3)
     c = build_random_policy_base(tiny_config(), "nvfp4", seed=4)
@@ -126,16 +113,14 @@ def test_deterministic_for_a_seed() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fp4_build_equals_quantizing_the_full_precision_build(fmt: str) -> None:
+def test_fp4_build_equals_quantizing_the_full_precision_build(fmt: str, tiny_config) -> None:
     reference = build_random_policy_base(tiny_config(), "none", dtype=torch.float32, seed=5)
     quantize_model_(reference, fmt)
     built = build_random_policy_base(tiny_config(), fmt, dtype=torch.float32, seed=5)
     assert _same_bits(built, reference)
 
 
-def test_nf4_build_equals_a_transformers_bitsandbytes_load(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def test_nf4_build_equals_a_transformers_bitsandbytes_load(tiny_model_dir: Path, tmp_path: Path, tiny_config) -> None:
     pytest.importorskip("bitsandbytes")
     from transformers import AutoTokenizer
 
@@ -153,7 +138,7 @@ def test_nf4_build_equals_a_transformers_bitsandbytes_load(
         assert torch.equal(built(input_ids=ids).logits, loaded(input_ids=ids).logits)
 
 
-def test_tied_lm_head_can_be_quantized_too() -> None:
+def test_tied_lm_head_can_be_quantized_too(tiny_config) -> None:
     model = build_random_policy_base(tiny_config(), "nvfp4", skip_modules=(), seed=1)
     assert isinstance(model.lm_head, QuantLinear)
     reference = build_random_policy_base(tiny_config(), "none", seed=1)
@@ -161,7 +146,7 @@ def test_tied_lm_head_can_be_quantized_too() -> None:
     assert _same_bits(model, reference)
 
 
-def test_ready_for_lora_training() -> None:
+def test_ready_for_lora_training(tiny_config) -> None:
     model = build_random_policy_base(tiny_config(), "nvfp4", dtype=torch.float32, seed=2)
     peft_model = apply_lora(model, LoraParams(r=4, alpha=8))
     ids = torch.arange(12).reshape(2, 6) % 80
@@ -171,7 +156,7 @@ def test_ready_for_lora_training() -> None:
     assert grads and all(g is not None for g in grads)
 
 
-def test_bad_arguments_fail_before_building() -> None:
+def test_bad_arguments_fail_before_building(tiny_config) -> None:
     with pytest.raises(QerlConfigError, match="quant.format"):
         build_random_policy_base(tiny_config(), "int3")
     with pytest.raises(QerlConfigError, match="model.device"):
