@@ -19,8 +19,10 @@ def get_engine(name: str, device: torch.device, kv_budget_gib: float | None = No
     torch on CPU); ``auto``: fast on CUDA, hf on CPU. ``kv_budget_gib`` (``rollout.kv_budget_gib``):
     the fast engine runs the batch in waves whose KV cache fits it.
 
-    One engine per (name, device, budget) for the process: the fast engine keeps its KV cache, plan
-    and captured graphs across RL steps instead of rebuilding them every step.
+    One engine per (name, device, budget) for the process: the fast engine keeps its plan and the
+    prepared 4-bit GEMM tensors across RL steps; its KV cache and captured graph are released when
+    each ``generate`` returns, so the update gets that memory back (``FastEngine(keep_state=True)``
+    keeps them, for repeated calls without an update in between).
     """
     if name not in ENGINES:
         raise QerlConfigError("rollout.engine", f"unknown engine {name!r}", f"use one of {', '.join(ENGINES)}")
