@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import pandas as pd
@@ -149,8 +150,8 @@ def one_step(policy: Policy, step: int, args, rl: RLParams, rollout: RolloutPara
         batch = engine.generate(policy.model, ids, sampling, sampling_generators(0, step, list(range(lo, hi))))
     _sync()
     t_roll = time.perf_counter() - t0
+    # what stays allocated once the engine has released its KV cache (weights + prepared 4-bit tensors)
     alloc_rollout = torch.cuda.memory_allocated() / 2**30 if DEVICE.type == "cuda" else float("nan")
-    del engine  # (the cached engine released its KV cache when generate returned)
     table = rollouts_table(policy, prompts, batch, step, args.sigma, t_roll, 0, 0)
     table.insert(0, "run", "bench/rl_step")
     scored = score_step(table, RewardParams(functions=[{"name": "bench_random", "kwargs": {"seed": step}}]), rl)
@@ -200,8 +201,6 @@ def run_cell(arch: str, fmt: str, args, rate: float, tmp: Path) -> dict:
             "loss": row.get("train/loss"), "steps_run": args.steps,
         })
     except torch.OutOfMemoryError as err:
-        import traceback
-
         where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(err.__traceback__)]
         cell.update({"oom": True, "error": str(err).splitlines()[0][:200], "where": where[-6:]})
     finally:
