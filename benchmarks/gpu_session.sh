@@ -46,13 +46,15 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --json "$OUT/fp4_crossover.json" ;;
     train)
       timeout 60 python3 benchmarks/fp4_matmul.py --train --json "$OUT/fp4_train.json" ;;
+    sampling)
+      timeout 60 python3 benchmarks/sampling.py --rows 1,64,128 --json "$OUT/sampling.json" ;;
     rollout7b64)
-      timeout 120 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
-        --columns fast_bf16,fast_nvfp4_lora,fast_mxfp4_lora \
+      timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
+        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora \
         --json "$OUT/rollout_7b64.json" ;;
     rollout7b1)
-      timeout 60 python3 benchmarks/rollout_throughput.py --rows 7b-1 \
-        --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_7b1.json" ;;
+      timeout 90 python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
+        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora --json "$OUT/rollout_7b1.json" ;;
     rollout32b)
       timeout 120 python3 benchmarks/rollout_throughput.py --rows 32b-32 \
         --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_32b32.json" ;;

@@ -1,9 +1,13 @@
 """One decode step of the ``triton`` backend on static buffers (what the CUDA graph captures).
 
-Per layer: add-RMSNorm (with the previous down output's epilogue) -> q/k/v GEMM (LoRA shrink
-alongside) -> RoPE + cache write (q/k/v epilogue) -> attention -> o GEMM (shrink alongside) ->
-add-RMSNorm (o epilogue) -> gate/up GEMM (shrink alongside) -> SiLU-mul (gate/up epilogue, down's
-shrink) -> down GEMM. Then the final norm, the LM head (torch group path) and sampling.
+Per layer: add-RMSNorm (with the previous down output's epilogue) -> q/k/v GEMM -> RoPE + cache
+write (q/k/v epilogue) -> attention -> o GEMM -> add-RMSNorm (o epilogue) -> gate/up GEMM ->
+SiLU-mul (gate/up epilogue) -> down GEMM. Then the final norm, the LM head (torch group path) and
+sampling.
+
+LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` as two cuBLAS GEMMs into static
+buffers, on a side stream while the main stream runs the group's base GEMM; the consumer kernel
+adds ``lo`` in its epilogue (one load per element) after the streams join.
 """
 
 from __future__ import annotations
@@ -20,35 +24,37 @@ from qerl.rollout.fast.torch_forward import TorchContext, group_forward
 __all__ = ["step"]
 
 
-def _shrink(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | None:
-    """Launch the group's LoRA shrink (on the side stream when there is one)."""
+def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | None:
+    """Launch the group's LoRA (shrink, then expand into ``st.lora_out[kind]``) on the side
+    stream when there is one; ``None`` for a group without adapters."""
     if not g.r_total:
         return None
-    part = st.partials[kind]
+    rows = x.shape[0]
+    xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
+    lo = st.lora_out[kind]
     if st.side is None:
-        return K.lora_shrink(x, g.a_cat, part)
+        torch.mm(x, g.a_cat.t(), out=xa)
+        return torch.mm(xa, g.b_full.t(), out=lo)
     st.side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st.side):
-        K.lora_shrink(x, g.a_cat, part)
-    return part
+        torch.mm(x, g.a_cat.t(), out=xa)
+        torch.mm(xa, g.b_full.t(), out=lo)
+    return lo
 
 
-def _join(st: State, part: torch.Tensor | None) -> None:
-    """Make the main stream wait for the side stream's shrink; only after a fork (during graph
+def _join(st: State, lo: torch.Tensor | None) -> None:
+    """Make the main stream wait for the side stream's LoRA; only after a fork (during graph
     capture, waiting on a side stream that did not fork from the capture invalidates it)."""
-    if st.side is not None and part is not None:
+    if st.side is not None and lo is not None:
         torch.cuda.current_stream().wait_stream(st.side)
 
 
-def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor],
-               part: torch.Tensor | None, rows: int) -> list[K.Epilogue]:
+def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.Tensor | None,
+               rows: int) -> list[K.Epilogue]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
     cs = gemm.col_scale if gemm is not None and gemm.uses_humming(rows) else None
-    return [K.Epilogue(raw=y, offset=o, col_scale=cs,
-                       bias=g.bias,
-                       partials=part, lora_b=g.b_full if part is not None else None,
-                       rank=g.r_total)
-            for o, m, y in zip(g.offsets, g.members, raws, strict=True)]
+    return [K.Epilogue(raw=y, offset=o, col_scale=cs, bias=g.bias, lora=lo)
+            for o, y in zip(g.offsets, raws, strict=True)]
 
 
 def _raw(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Tensor]:
@@ -66,6 +72,15 @@ def _raw(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Tensor]:
     return outs
 
 
+def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor,
+              rows: int) -> list[K.Epilogue]:
+    """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel."""
+    lo = _lora(st, kind, g, x)
+    epis = _epilogues(ctx, g, _raw(ctx, g, x), lo, rows)
+    _join(st, lo)
+    return epis
+
+
 def step(plan: Plan, st: State, ctx: TorchContext) -> None:
     """One decode step for all ``st.n_rows`` rows (see the module docstring)."""
     rows = st.n_rows
@@ -73,23 +88,15 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
     prev = None
     for li, lay in enumerate(plan.layers):
         x = K.add_rmsnorm(h, lay.ln1, lay.eps1, prev)
-        part = _shrink(st, "qkv", lay.qkv, x)
-        q, k, v = _epilogues(ctx, lay.qkv, _raw(ctx, lay.qkv, x), part, rows)
-        _join(st, part)
+        q, k, v = _finished(st, ctx, "qkv", lay.qkv, x, rows)
         qr = K.qkv_rope(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot, st.pad,
                         plan.rope_scale, plan.n_heads, plan.n_kv, plan.head_dim)
         ao = K.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling)
-        part = _shrink(st, "o", lay.o, ao)
-        (o,) = _epilogues(ctx, lay.o, _raw(ctx, lay.o, ao), part, rows)
-        _join(st, part)
+        (o,) = _finished(st, ctx, "o", lay.o, ao, rows)
         x = K.add_rmsnorm(h, lay.ln2, lay.eps2, o)
-        part = _shrink(st, "gu", lay.gu, x)
-        g, u = _epilogues(ctx, lay.gu, _raw(ctx, lay.gu, x), part, rows)
-        _join(st, part)
-        down = lay.down
-        dpart = st.partials["down"] if down.r_total else None
-        act = K.silu_mul(g, u.raw, down.a_cat if down.r_total else None, dpart)
-        (prev,) = _epilogues(ctx, down, _raw(ctx, down, act), dpart, rows)
+        g, u = _finished(st, ctx, "gu", lay.gu, x, rows)
+        act = K.silu_mul(g, u.raw)
+        (prev,) = _finished(st, ctx, "down", lay.down, act, rows)
     x = K.add_rmsnorm(h, plan.norm, plan.norm_eps, prev)
     (logits,) = group_forward(ctx, plan.lm_head, x)
     u = st.u.index_select(0, st.step).squeeze(0)

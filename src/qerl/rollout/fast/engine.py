@@ -4,14 +4,15 @@ Backends: ``triton`` (CUDA, bf16/fp16 models): prefill in eager torch (FP4 weigh
 selected 4-bit backend, :mod:`qerl.kernels`), then every decode step is one CUDA graph replay of
 Triton kernels (RMSNorm fused with the residual add and the o / down epilogues, RoPE + cache
 write fused with the q/k/v epilogue, flash-decoding attention, SiLU-mul fused with the gate/up
-epilogue and down's LoRA shrink), the group GEMMs (humming: q/k/v and gate/up each one GEMM),
-cuBLAS for dense weights and the LM head, and sampling. ``torch`` (any device, no graphs): the same
-computation in plain torch; the CPU tests run it against transformers.
+epilogue), the group GEMMs (humming: q/k/v and gate/up each one GEMM), cuBLAS for dense weights
+and the LM head, and sampling. ``torch`` (any device, no graphs): the same computation in plain
+torch; the CPU tests run it against transformers.
 
-LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): one shrink kernel
-per group (run on a side stream, overlapping the base GEMM) and the expand inside the consumer
-kernel. Adapter weights are copied at the start of every ``generate``; norm weights are read
-live, so AQN noise applied in place is seen by captured graphs; replaced tensors rebuild the plan.
+LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): a shrink and an
+expand GEMM per group (cuBLAS, on a side stream, overlapping the base GEMM) whose output the
+consumer kernel adds in its epilogue. Adapter weights are copied at the start of every
+``generate``; norm weights are read live, so AQN noise applied in place is seen by captured
+graphs; replaced tensors rebuild the plan.
 
 Waves: when the KV cache of all rows does not fit the memory budget (``kv_budget_gib``, else
 ``kv_budget_fraction`` of the free device memory), rows run in waves of equal size (the last
@@ -58,7 +59,7 @@ class FastEngine:
         cache_multiple: KV capacity rounded up to this, so graphs are reused across calls.
         kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
-        lora_overlap: run the LoRA shrink kernels on a side stream (CUDA).
+        lora_overlap: run the LoRA GEMMs on a side stream (CUDA).
         keep_state: keep the KV cache, sampling buffers and captured graph between calls (a
             benchmark's repeated calls); by default they are released when ``generate`` returns, so
             the memory sized from the free device memory goes back to the trainer's update (the

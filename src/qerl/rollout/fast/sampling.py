@@ -37,7 +37,9 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tens
             target = (u * c[:, -1]).unsqueeze(-1)
             tok = torch.searchsorted(c, target, right=True).clamp_max(vocab - 1).squeeze(-1)
         else:
-            _, sidx = torch.sort(x, dim=-1, descending=True)
+            # sort the logits in their own dtype (bf16: half the radix passes of float32, the
+            # same order since ``x`` is their exact float32 copy); stable, so ties keep index order
+            _, sidx = torch.sort(logits, stable=True, dim=-1, descending=True)
             sp = p.gather(-1, sidx)
             c = sp.cumsum(dim=-1)
             keep = (c - sp) < top_p

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from qerl.rollout.base import SamplingParams
-from qerl.rollout.fast.kernels import down_splits, rank_pad, shrink_splits
 from qerl.rollout.fast.plan import Plan
 
 __all__ = ["State", "new_state", "record", "reset_outputs"]
@@ -39,7 +38,8 @@ class State:
     out_lp: torch.Tensor
     out_mask: torch.Tensor
     out_ent: torch.Tensor
-    partials: dict = field(default_factory=dict)  # LoRA shrink partial sums per group kind
+    lora_xa: dict = field(default_factory=dict)  # per group kind: flat [rows * R] shrink buffer
+    lora_out: dict = field(default_factory=dict)  # per group kind: [rows, N] LoRA output
     side: torch.cuda.Stream | None = None
     graph: object = None
 
@@ -51,21 +51,22 @@ class State:
             getattr(self, f).copy_(src)
 
     def nbytes(self) -> int:
-        ts = self.k + self.v + list(self.partials.values())
+        ts = self.k + self.v + list(self.lora_xa.values()) + list(self.lora_out.values())
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _partials(plan: Plan, rows: int, dev: torch.device) -> dict[str, torch.Tensor]:
-    """Float32 LoRA shrink buffers ``[S, rows, RP]`` per group kind (shared by all layers)."""
-    out = {}
-    lay = plan.layers[0]
+def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]:
+    """Per group kind with adapters (shared by all layers): a flat buffer for the shrink
+    ``x a_cat^T`` of the largest rank (viewed as ``[rows, R]`` per layer) and the group's LoRA
+    output ``[rows, N]``, both in the model dtype."""
+    xa, out = {}, {}
     for kind in ("qkv", "o", "gu", "down"):
-        g = getattr(lay, kind)
-        r = max(getattr(x, kind).r_total for x in plan.layers)
+        r = max(getattr(lay, kind).r_total for lay in plan.layers)
         if r:
-            s = down_splits(g.in_f) if kind == "down" else shrink_splits(g.in_f)
-            out[kind] = torch.zeros((s, rows, rank_pad(r)), dtype=torch.float32, device=dev)
-    return out
+            n = getattr(plan.layers[0], kind).out_f
+            xa[kind] = torch.zeros(rows * r, dtype=plan.dtype, device=dev)
+            out[kind] = torch.zeros((rows, n), dtype=plan.dtype, device=dev)
+    return xa, out
 
 
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
@@ -76,6 +77,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
     def z(*s, dtype=torch.float32):
         return torch.zeros(s, dtype=dtype, device=dev)
 
+    xa, lo = _lora_buffers(plan, rows, dev)
     return State(
         key=key, n_rows=rows, cap=cap, t_cap=T, mode=mode,
         k=[torch.zeros(shape, dtype=dt, device=dev) for _ in plan.layers],
@@ -85,7 +87,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         temp=torch.ones(1, device=dev), top_p=torch.ones(1, device=dev),
         eos=torch.full((8,), -1, dtype=torch.long, device=dev), pad_id=z(1, dtype=torch.long),
         out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
-        out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), partials=_partials(plan, rows, dev),
+        out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), lora_xa=xa, lora_out=lo,
         side=torch.cuda.Stream(dev) if side_stream else None)
 
 

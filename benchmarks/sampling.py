@@ -1,0 +1,86 @@
+"""The fast engine's sampling step on one GPU: device time per call of ``sample_tokens`` and of its
+parts, at the LM-head width of Qwen2.5 (152,064), replayed as CUDA graphs.
+
+    python benchmarks/sampling.py [--rows 1,64,128] [--json sampling.json]
+
+Rows are batch sizes; columns: ``sample_tokens`` per mode (greedy, full, top_p=0.95) and the parts
+of the top-p path (the sort on float32 keys vs on the bf16 logits the LM head returns, softmax, the
+log-prob + entropy of :func:`qerl.rl.logprobs.token_logprobs_and_entropy`). Prints a table, writes
+JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from qerl.rl.logprobs import token_logprobs_and_entropy  # noqa: E402
+from qerl.rollout.fast.sampling import sample_tokens  # noqa: E402
+
+VOCAB = 152064
+
+
+def graph_us(fn, reps: int = 50) -> float:
+    """Microseconds per replay of ``fn`` captured as a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def row(b: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(b)
+    logits = (torch.randn(b, VOCAB, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    u = torch.rand(b, device="cuda", generator=gen)
+    temp, top_p = torch.ones(1, device="cuda"), torch.full((1,), 0.95, device="cuda")
+    tok = torch.zeros(b, 1, dtype=torch.long, device="cuda")
+    cells = {f"sample_{m}": graph_us(lambda m=m: sample_tokens(logits, u, temp, top_p, m))
+             for m in ("greedy", "full", "top_p")}
+    cells["sort_f32"] = graph_us(lambda: torch.sort(logits.float(), -1, descending=True))
+    cells["sort_bf16"] = graph_us(lambda: torch.sort(logits, stable=True, dim=-1, descending=True))
+    cells["softmax"] = graph_us(lambda: torch.softmax(logits.float(), -1))
+    cells["logprob_entropy"] = graph_us(
+        lambda: token_logprobs_and_entropy(logits.float().unsqueeze(1), tok, 1.0, chunk_size=None))
+    return {"B": b, **cells}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,64,128")
+    ap.add_argument("--json", default="sampling.json")
+    a = ap.parse_args()
+    out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "command": "python benchmarks/sampling.py " + " ".join(sys.argv[1:]), "vocab": VOCAB,
+           "unit": "us per call (CUDA graph replay)", "rows": []}
+    for b in (int(x) for x in a.rows.split(",")):
+        out["rows"].append(row(b))
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    keys = [k for k in out["rows"][0] if k != "B"]
+    print("| B | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for r in out["rows"]:
+        print(f"| {r['B']} | " + " | ".join(f"{r[k]:.0f}" for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
