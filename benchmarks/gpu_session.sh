@@ -39,6 +39,9 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | tee "$OUT/gpu_tests.log" ;;
     tune)
       timeout 70 python3 -m qerl.kernels.tune --models 7b,32b --formats nvfp4 --ms 1,32,64 --budget-s 55 ;;
+    tune7b)  # a wider search (humming's sampler) at the 7B decode shapes, B=1 and B=64
+      timeout 170 python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --ms 1,64 --samples 40 \
+        --budget-s 150 --json "$OUT/tune_7b.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)

@@ -8,10 +8,13 @@ gradient equals one pass over the union. Log-probs and entropies come from the d
 states through the LM head in checkpointed chunks of ``rl.logprob_chunk_tokens`` positions: no
 ``[tokens, vocab]`` float32 tensor is ever alive, not even for the backward pass.
 
-With ``rl.old_logprobs: recompute`` the PPO ratio's denominator is a no-grad trainer forward on the
+With ``rl.old_logprobs: recompute`` the PPO ratio's denominator is the trainer's log-prob on the
 clean policy before the update (ratio exactly 1 on the first epoch), and ``rl.rollout_is`` weights
 each token by the truncated/masked ``pi_old / pi_rollout`` for the rollout/trainer mismatch (the 4-bit
-sampler's kernels and its AQN noise).
+sampler's kernels and its AQN noise). With several optimizer steps per batch (``epochs x
+minibatches > 1``) that is a no-grad forward over the batch before the first step; with one, the
+step's own forward is that clean policy's, so its detached log-probs are used and the extra
+forward pass (a quarter of the update's FLOPs) is skipped (:func:`fused_old_logprobs`).
 
 Under ``torchrun`` (``qerl.train.distributed``) each rank holds the kept rows of its own prompts; the
 global batch is their concatenation in rank order. The minibatches are drawn over that global batch,
@@ -222,16 +225,14 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
         rollout_lp = padded(list(rows["logprobs"]), width)
         mask = padded([[1.0] * n for n in rows["completion_tokens"]], width)
         policy.model.eval()
-        if rl.old_logprobs == "recompute":
+        fused = fused_old_logprobs(rl)
+        if fused:  # filled by the one optimizer step's forward (see the module docstring)
+            old, is_w = torch.zeros_like(rollout_lp), rollout_lp
+        elif rl.old_logprobs == "recompute":
             old = recompute_logprobs(policy, rows, *fwd, budget)
-            is_w, mstats = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
+            is_w, _ = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
         else:
             old, is_w = rollout_lp, None
-            mstats = {}
-        gap = ((old - rollout_lp).abs() * mask)
-        mstats["mismatch/logprob_gap_mean"] = float(gap.sum() / mask.sum().clamp(min=1))
-        mstats["mismatch/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
-        stats.update(dist.reduce_stats(mstats, float(mask.sum())))  # token-weighted over the ranks
         # LossNorm.of's denominators, counted over every rank: the batch's tokens per optimizer step
         batch_tokens = dist.all_sum({"tokens": float(mask.sum())})["tokens"]
         tokens_per_opt = max(batch_tokens, 1.0) / max(1, rl.minibatches)
@@ -249,7 +250,7 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
                 mb_norm = LossNorm(tokens=tokens_per_opt, sequences=float(len(minibatch)),
                                    max_completion_length=rollout.max_new_tokens)
                 s = _optimizer_step(policy, state, rows, idx, lengths, budget, old, is_w, adv, mb_norm, rl, fwd,
-                                    track_kl=(epoch == 0 and lo == 0))
+                                    track_kl=(epoch == 0 and lo == 0), fill_old=fused)
                 if s is None:
                     bad = True
                     break
@@ -257,6 +258,8 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
             if bad:
                 break
         policy.model.eval()
+        if not (fused and bad):  # a skipped fused step left ``old`` unfilled
+            stats.update(dist.reduce_stats(mismatch_stats(old, rollout_lp, mask, rl), float(mask.sum())))
         if bad and saved is not None and per_opt:  # earlier optimizer steps were applied: undo them
             _restore_update_state(policy, state, saved)
         if not bad:
@@ -267,10 +270,33 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
     return step_row(scored, stats, time.perf_counter() - t0, policy.device)
 
 
+def fused_old_logprobs(rl: RLParams) -> bool:
+    """Whether the PPO denominator comes from the update's own forward: ``recompute`` with one
+    optimizer step per batch, where that forward runs on the clean pre-update policy."""
+    return rl.old_logprobs == "recompute" and rl.epochs * rl.minibatches == 1
+
+
+def mismatch_stats(old: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, rl: RLParams) -> dict[str, float]:
+    """The rollout/trainer mismatch of the batch: |old - rollout| log-prob gaps and, when the
+    denominator is the trainer's (``recompute``), the importance-weight statistics."""
+    out: dict[str, float] = {}
+    if rl.old_logprobs == "recompute":
+        _, out = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
+    gap = ((old - rollout_lp).abs() * mask)
+    out["mismatch/logprob_gap_mean"] = float(gap.sum() / mask.sum().clamp(min=1))
+    out["mismatch/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+    return out
+
+
 def _optimizer_step(policy: Policy, state: TrainState, rows: pd.DataFrame, idx: list[int], lengths: list[int],
                     budget: int | None, old: torch.Tensor, is_w: torch.Tensor | None, adv: torch.Tensor,
-                    norm: LossNorm, rl: RLParams, fwd: tuple[float, int], track_kl: bool) -> dict[str, float] | None:
-    """One optimizer step accumulated over micro-batches; None (weights untouched) on NaN/inf."""
+                    norm: LossNorm, rl: RLParams, fwd: tuple[float, int], track_kl: bool,
+                    fill_old: bool = False) -> dict[str, float] | None:
+    """One optimizer step accumulated over micro-batches; None (weights untouched) on NaN/inf.
+
+    ``fill_old``: this step's forward gives the PPO denominator; each micro-batch writes its detached
+    log-probs into ``old`` and takes its importance weights from them and the rollout log-probs that
+    ``is_w`` holds then."""
     state.optimizer.zero_grad(set_to_none=True)
     acc: dict[str, float] = {"train/loss": 0.0, "train/pg_loss": 0.0}
     weighted = dict.fromkeys(WEIGHTED, 0.0)
@@ -282,8 +308,13 @@ def _optimizer_step(policy: Policy, state: TrainState, rows: pd.DataFrame, idx: 
         logp, ent, batch = _sequence_forward(policy, rows, mb, *fwd)
         m = batch["mask"]
         c_w = m.shape[1]  # <= old's width: the longest completion of the micro-batch
-        old_mb = old[mb][:, :c_w].to(m.device)
-        is_mb = None if is_w is None else is_w[mb][:, :c_w].to(m.device)
+        if fill_old:
+            old_mb = logp.detach().float()
+            old[mb, :c_w] = old_mb.cpu()
+            is_mb, _ = rollout_is_weights(old_mb, is_w[mb][:, :c_w].to(m.device), m, rl.rollout_is, rl.rollout_is_cap)
+        else:
+            old_mb = old[mb][:, :c_w].to(m.device)
+            is_mb = None if is_w is None else is_w[mb][:, :c_w].to(m.device)
         ref = None
         if rl.beta > 0 or (rl.track_kl and track_kl and k == 0):
             with torch.no_grad():
