@@ -66,10 +66,10 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     rlstep7b)  # the paper-like workload: 16 prompts x 8 samples, prompt 256, 1024 new tokens, 2 steps, 64 GiB
       timeout 250 $RL --cells 7b/none,7b/nvfp4 --memory-budget 64 --json "$OUT/rl_step_7b.json" ;;
     rlstep32b)  # memory at 32B: 2 prompts x 8 samples, one step, budgets for a 40 GiB GPU
-      timeout 150 $RL --cells 32b/nvfp4 --prompts 2 --steps 1 --memory-budget 38 --kv-budget 10 \
+      timeout 150 $RL --cells 32b/nvfp4 --prompts 2 --steps 1 --memory-budget 38 --kv-budget 10 --single-copy \
         --json "$OUT/rl_step_32b.json" ;;
     rlstep72b)  # memory at 72B: budgets for an 80 GiB GPU
-      timeout 200 $RL --cells 72b/nvfp4 --prompts 2 --steps 1 --memory-budget 76 --kv-budget 20 \
+      timeout 200 $RL --cells 72b/nvfp4 --prompts 2 --steps 1 --memory-budget 76 --kv-budget 20 --single-copy \
         --json "$OUT/rl_step_72b.json" ;;
   esac
   echo "=== $phase rc=$? at +$(( $(date +%s) - start ))s"

@@ -141,7 +141,8 @@ def one_step(policy: Policy, step: int, args, rl: RLParams, rollout: RolloutPara
                             "answer": "0", "task": "random", "metadata": "{}"})
     sampling = SamplingParams(n=args.group, temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
                               eos_token_ids=(), pad_token_id=0)
-    engine = get_engine(rollout.engine, policy.device, rollout.kv_budget_gib)
+    engine = get_engine(rollout.engine, policy.device, rollout.kv_budget_gib,
+                        rollout.single_weight_copy)
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     _sync()
@@ -172,11 +173,13 @@ def run_cell(arch: str, fmt: str, args, rate: float, tmp: Path) -> dict:
         t = time.perf_counter()
         policy = build(arch, fmt)
         cell["build_s"] = time.perf_counter() - t
+        cell["single_copy"] = args.single_copy
         cell["weights_gib"] = torch.cuda.memory_allocated() / 2**30 if DEVICE.type == "cuda" else float("nan")
         rl = RLParams(lr=1e-5, max_grad_norm=0.2, gradient_checkpointing=True, micro_batch_tokens="auto",
                       memory_budget_gib=args.memory_budget, optimizer="adamw")
         rollout = RolloutParams(engine=args.engine, group_size=args.group, max_new_tokens=args.new_tokens,
-                                max_prompt_tokens=args.prompt_len, kv_budget_gib=args.kv_budget)
+                                max_prompt_tokens=args.prompt_len, kv_budget_gib=args.kv_budget,
+                                single_weight_copy=args.single_copy)
         opt = build_optimizer(policy.lora_parameters(), "adamw", rl.lr, 0.0)
         state = TrainState(run=RunDir(tmp, "bench", f"{arch}-{fmt}"), total_steps=args.steps, save_every=10**9,
                            optimizer=opt, scheduler=build_scheduler(opt, args.steps, 0.0, "constant"))
@@ -224,6 +227,8 @@ def main() -> None:
     ap.add_argument("--engine", default="auto")
     ap.add_argument("--memory-budget", type=float, default=None, help="GiB: sizes the update's micro-batches")
     ap.add_argument("--kv-budget", type=float, default=None, help="GiB: rollout KV cache per wave")
+    ap.add_argument("--single-copy", action="store_true",
+                    help="rollout.single_weight_copy: the 4-bit weights once on the GPU")
     ap.add_argument("--json", default="rl_step.json")
     args = ap.parse_args()
     dist.init_from_env()  # under torchrun: one rank a GPU

@@ -135,7 +135,10 @@ class LoraParams(_Strict):
 class RolloutParams(_Strict):
     """Sampling of the G completions per prompt (``engine: auto`` = the fast engine on CUDA, the
     transformers one on CPU). ``kv_budget_gib``: run the batch in waves when its KV cache would
-    exceed this (fast engine; ``null`` = whatever fits)."""
+    exceed this (fast engine; ``null`` = whatever fits). ``single_weight_copy``: the fast engine
+    holds the 4-bit weights once on the GPU -- humming's prepared copy only during a rollout, the
+    trainer's parked in host memory meanwhile (``qerl.rollout.fast.residency``; for 32B and larger
+    on one GPU)."""
 
     engine: Literal["auto", "hf", "fast"] = "auto"
     group_size: int = Field(8, ge=1)
@@ -145,6 +148,7 @@ class RolloutParams(_Strict):
     max_prompt_tokens: int = Field(64, ge=1)
     overlong_prompt: Literal["truncate", "drop"] = "truncate"
     kv_budget_gib: float | None = Field(None, gt=0)
+    single_weight_copy: bool = False
 
 
 class RewardFnParams(_Strict):

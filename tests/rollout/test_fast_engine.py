@@ -426,3 +426,88 @@ def test_group_gemm_paths_equal_peft(monkeypatch: pytest.MonkeyPatch, fp4: str) 
         outs = group_forward(TorchContext(gemms=gemms), lay.qkv, x)
         for ours, ref in zip(outs, [at.q_proj(x), at.k_proj(x), at.v_proj(x)], strict=True):
             assert float((ours.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+
+
+def test_host_parking_moves_storage_and_brings_it_back() -> None:
+    """park(): same tensor objects, storage on the host, values kept; restore(): back on the
+    original device, values equal; a second round reuses the host buffers."""
+    from qerl.rollout.fast.residency import HostParking
+
+    ts = [torch.randn(4, 6), torch.arange(10, dtype=torch.uint8), torch.randn(3).to(torch.bfloat16)]
+    ref = [t.clone() for t in ts]
+    ptrs = [t.data_ptr() for t in ts]
+    park = HostParking()
+    for _ in range(2):
+        park.park(ts + [ts[0]])  # a tensor listed twice is parked once
+        assert park.parked == 3 and park.nbytes() == sum(t.numel() * t.element_size() for t in ts)
+        assert all(t.device.type == "cpu" for t in ts)
+        assert all(t.data_ptr() != p for t, p in zip(ts, ptrs, strict=True))
+        assert all(torch.equal(t, r) and t.dtype == r.dtype for t, r in zip(ts, ref, strict=True))
+        host = [t.data_ptr() for t in ts]
+        park.restore()
+        assert park.parked == 0 and park.nbytes() == 0
+        assert all(torch.equal(t, r) for t, r in zip(ts, ref, strict=True))
+    park.park(ts)
+    assert [t.data_ptr() for t in ts] == host  # the host buffers are reused
+    park.restore()
+
+
+def test_humming_only_group_never_reads_the_parked_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``humming_only`` every row count (prefill included, above ``humming_max_m``) runs
+    through humming's own copy: poisoning the parked compressed-tensors buffers changes nothing."""
+    from qerl.kernels import humming_gemm
+    from qerl.kernels.backend import humming_max_m
+    from qerl.rollout.fast.gemm import GroupGemm
+    from qerl.rollout.fast.plan import build_plan, refresh_lora
+    from qerl.rollout.fast.residency import HostParking
+    from qerl.rollout.fast.torch_forward import TorchContext, group_forward
+
+    monkeypatch.setattr(humming_gemm, "HummingFp4", _FakeHumming)
+    model = _model("qwen2", fmt="nvfp4", lora=True).eval().to(torch.bfloat16)
+    plan = build_plan(model)
+    refresh_lora(plan)
+    lay = plan.layers[0]
+    rows = humming_max_m() + 5
+    x = torch.randn(rows, lay.gu.in_f).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = group_forward(TorchContext(gemms={id(lay.gu): GroupGemm(lay.gu, "torch", torch.bfloat16)}),
+                            lay.gu, x)
+        gm = GroupGemm(lay.gu, "humming", torch.bfloat16, humming_only=True)
+        assert gm.uses_humming(rows) and gm.max_scratch() == 0
+        assert not GroupGemm(lay.gu, "humming", torch.bfloat16).uses_humming(rows)
+        park = HostParking()
+        park.park([t for m in lay.gu.members for t in m.fp4_tensors() if t is not None])
+        for m in lay.gu.members:
+            m.packed.fill_(0xFF)  # the parked copy: poison it
+            m.scale.fill_(0x7F)
+        outs = group_forward(TorchContext(gemms={id(lay.gu): gm}), lay.gu, x)
+    for ours, r in zip(outs, ref, strict=True):
+        assert torch.isfinite(ours).all()
+        assert float((ours.float() - r.float()).norm() / r.float().norm()) < 1e-2
+
+
+@gpu
+def test_gpu_single_copy_keeps_one_copy_and_the_same_rollout() -> None:
+    """``single_copy``: the same greedy rollout; during it the trainer's 4-bit buffers are parked,
+    afterwards they are back on the GPU and humming's copies are gone (memory back to baseline)."""
+    from qerl.kernels import backend_available, use_backend
+
+    if not backend_available("humming"):
+        pytest.skip("humming not available")
+    previous = use_backend("humming")
+    try:
+        model = _gpu_model("nvfp4")
+        sp = SamplingParams(n=2, greedy=True, max_new_tokens=24, eos_token_ids=(), pad_token_id=0)
+        ref = FastEngine().generate(model, PROMPTS, sp)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        eng = FastEngine(single_copy=True)
+        for _ in range(2):
+            out = eng.generate(model, PROMPTS, sp)
+            assert eng.last_stats["parked_gib"] > 0 and eng._gemms is None
+            assert torch.equal(out.completion_ids, ref.completion_ids)
+            assert torch.cuda.memory_allocated() <= base + (1 << 20)
+        bufs = [b for n, b in model.named_buffers() if n.endswith("weight_packed")]
+        assert bufs and all(b.is_cuda for b in bufs)
+    finally:
+        use_backend(previous)

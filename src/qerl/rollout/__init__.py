@@ -14,10 +14,13 @@ ENGINES = ("auto", "hf", "fast")
 
 
 @functools.lru_cache(maxsize=8)
-def get_engine(name: str, device: torch.device, kv_budget_gib: float | None = None) -> RolloutEngine:
+def get_engine(name: str, device: torch.device, kv_budget_gib: float | None = None,
+               single_copy: bool = False) -> RolloutEngine:
     """``hf``: transformers generate; ``fast``: our static-cache engine (CUDA graphs on GPU, plain
     torch on CPU); ``auto``: fast on CUDA, hf on CPU. ``kv_budget_gib`` (``rollout.kv_budget_gib``):
-    the fast engine runs the batch in waves whose KV cache fits it.
+    the fast engine runs the batch in waves whose KV cache fits it. ``single_copy``
+    (``rollout.single_weight_copy``): the fast engine holds the 4-bit weights once on the GPU
+    (``qerl.rollout.fast.residency``).
 
     One engine per (name, device, budget) for the process: the fast engine keeps its plan and the
     prepared 4-bit GEMM tensors across RL steps; its KV cache and captured graph are released when
@@ -30,7 +33,7 @@ def get_engine(name: str, device: torch.device, kv_budget_gib: float | None = No
         return HFGenerateEngine()
     from qerl.rollout.fast import FastEngine
 
-    return FastEngine(kv_budget_gib=kv_budget_gib)
+    return FastEngine(kv_budget_gib=kv_budget_gib, single_copy=single_copy)
 
 
 __all__ = ["ENGINES", "HFGenerateEngine", "RolloutBatch", "RolloutEngine", "SamplingParams", "get_engine"]

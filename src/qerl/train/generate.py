@@ -108,7 +108,7 @@ def rollout_step(
     prompts = prompts.iloc[kept].reset_index(drop=True)
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               eos_token_ids=policy.eos_token_ids, pad_token_id=policy.pad_token_id)
-    engine = engine or get_engine(r.engine, policy.device, r.kv_budget_gib)
+    engine = engine or get_engine(r.engine, policy.device, r.kv_budget_gib, r.single_weight_copy)
     t0 = time.perf_counter()
     with aqn_noise(policy.model, sigma, generator(seed, step, "aqn", policy.device)) as noise:
         batch = engine.generate(policy.model, ids, sampling, sampling_generators(seed, step, [first + i for i in kept]))

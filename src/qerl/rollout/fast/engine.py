@@ -38,6 +38,7 @@ from qerl.rollout.fast import decode
 from qerl.rollout.fast.gemm import GroupGemm
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
+from qerl.rollout.fast.residency import HostParking
 from qerl.rollout.fast.sampling import sample_tokens
 from qerl.rollout.fast.state import State, new_state, record, reset_outputs
 from qerl.rollout.fast.torch_forward import TorchContext, forward_tokens
@@ -64,6 +65,11 @@ class FastEngine:
             benchmark's repeated calls); by default they are released when ``generate`` returns, so
             the memory sized from the free device memory goes back to the trainer's update (the
             plan and the prepared 4-bit GEMM tensors are kept either way).
+        single_copy: hold the 4-bit weights once on the GPU (:mod:`qerl.rollout.fast.residency`):
+            humming's prepared copies exist only during ``generate`` (every row count, prefill
+            too, runs through them) while the trainer's buffers of those layers wait in pinned host
+            memory; costs one host round trip of the 4-bit weights and humming's preparation per
+            call. For models whose two copies would not fit (32B and larger on one GPU).
     """
 
     name = "fast"
@@ -71,7 +77,7 @@ class FastEngine:
     def __init__(self, backend: str = "auto", use_cuda_graph: bool = True, check_every: int = 16,
                  cache_multiple: int = 128, kv_budget_gib: float | None = None,
                  kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
-                 keep_state: bool = False) -> None:
+                 keep_state: bool = False, single_copy: bool = False) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
         if kv_budget_gib is not None and not kv_budget_gib > 0:
@@ -86,6 +92,8 @@ class FastEngine:
         self.kv_budget_fraction = kv_budget_fraction
         self.lora_overlap = lora_overlap
         self.keep_state = keep_state
+        self.single_copy = single_copy
+        self._parking = HostParking()
         self._plan: Plan | None = None
         self._gemms: dict[int, GroupGemm] | None = None
         self._gemm_backend: str | None = None
@@ -119,7 +127,13 @@ class FastEngine:
         fp4 = resolve_backend()
         if self._gemms is None or self._gemm_backend != fp4:
             self._gemms, self._state = None, None
-            self._gemms = {id(g): GroupGemm(g, fp4, plan.dtype) for g in plan.groups()}
+            gemms = {}
+            for g in plan.groups():  # one group at a time, so single_copy never holds both copies
+                gm = gemms[id(g)] = GroupGemm(g, fp4, plan.dtype, humming_only=self.single_copy)
+                if self.single_copy and gm.humming is not None:
+                    self._parking.park([t for m in g.members for t in m.fp4_tensors()
+                                        if t is not None])
+            self._gemms = gemms
             self._gemm_backend = fp4
         return self._gemms
 
@@ -138,8 +152,11 @@ class FastEngine:
             return self._generate(model, prompt_ids, sampling, generator)
         finally:
             model.train(was_training)
-            if not self.keep_state:
+            if not self.keep_state or self._parking.parked:
                 self.release()
+            if self._parking.parked:  # humming's copies go first, then the trainer's come back
+                self._plan, self._gemms = None, None
+                self._parking.restore()
 
     def release(self) -> None:
         """Free the KV cache, sampling buffers and captured graph (the next call rebuilds them)."""
@@ -204,7 +221,8 @@ class FastEngine:
             done.zero_()
         humming = sum(gm.humming is not None for gm in gemms.values()) if gemms else 0
         self.last_stats = {"backend": backend, "fp4_backend": self._gemm_backend,
-                           "humming_groups": humming, "rows": N,
+                           "humming_groups": humming, "parked_gib": self._parking.nbytes() / GiB,
+                           "rows": N,
                            "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
                            "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None}
         return RolloutBatch(

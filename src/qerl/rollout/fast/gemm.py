@@ -1,8 +1,9 @@
 """The base projections of one plan group on CUDA: raw outputs (no bias, no LoRA; with per-column
 scales still to apply when :attr:`GroupGemm.col_scale` is set).
 
-* all members FP4 of one format, backend ``humming``, at most ``humming_max_m()`` rows: one
-  humming GEMM for the whole group (q/k/v or gate/up stacked along N), prepared once per plan;
+* all members FP4 of one format, backend ``humming``, at most ``humming_max_m()`` rows (any
+  number with ``humming_only``): one humming GEMM for the whole group (q/k/v or gate/up stacked
+  along N), prepared once per plan;
 * all members FP4 otherwise: the Triton (or torch) dequantize of every member into the shared
   scratch, then one cuBLAS GEMM;
 * anything else member by member (dense ``F.linear``, FP4 through the scratch, other modules
@@ -26,10 +27,12 @@ __all__ = ["GroupGemm"]
 class GroupGemm:
     """Runs ``x @ W_i^T`` for every member ``i`` of ``group`` (see the module docstring)."""
 
-    def __init__(self, group: Group, backend: str, dtype: torch.dtype) -> None:
+    def __init__(self, group: Group, backend: str, dtype: torch.dtype,
+                 humming_only: bool = False) -> None:
         self.group = group
         self.backend = backend
         self.dtype = dtype
+        self.humming_only = humming_only  # every row count through humming (the source may be parked)
         self.humming = None
         if backend == "humming" and group.all_fp4 and dtype in (torch.bfloat16, torch.float16):
             from qerl.kernels import humming_gemm
@@ -48,7 +51,8 @@ class GroupGemm:
         return None if self.humming is None else self.humming.col_scale
 
     def uses_humming(self, rows: int) -> bool:
-        return self.humming is not None and 0 < rows <= humming_max_m()
+        return self.humming is not None and 0 < rows and (self.humming_only
+                                                          or rows <= humming_max_m())
 
     def _impl(self) -> str:
         return "triton" if dequant.HAS_TRITON and self.backend != "torch" else "torch"
@@ -86,6 +90,8 @@ class GroupGemm:
     def max_scratch(self) -> int:
         """Scratch elements this group's dequantize path needs."""
         g = self.group
+        if self.humming_only and self.humming is not None:
+            return 0
         if g.all_fp4:
             return g.out_f * g.in_f
         return max((m.out_f * m.in_f for m in g.members if m.kind == "fp4"), default=0)
