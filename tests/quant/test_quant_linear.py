@@ -103,6 +103,20 @@ def test_dtype_casts_never_touch_quantized_buffers(fmt: str) -> None:
     assert layer.bias.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_quantized_buffers_are_never_views(fmt: str) -> None:
+    """No buffer is a view after quantization or a cast, so swapping a buffer's storage (the rollout
+    engine's host parking) releases the old storage instead of a hidden base keeping it."""
+    layer = QuantLinear.from_linear(_linear(), fmt)
+    for step in (lambda m: m, lambda m: m.to(torch.bfloat16), lambda m: m.half()):
+        step(layer)
+        assert all(t._base is None for t in layer.quantized_tensors().values())
+    t = layer.weight_packed
+    ref = t.clone()
+    t.data = t.data.clone()  # the storage swap; the tensor object stays the layer's buffer
+    assert layer.weight_packed is t and torch.equal(layer.weight_packed, ref)
+
+
 def test_module_matches_dotted_patterns() -> None:
     assert module_matches("lm_head", ["lm_head"])
     assert module_matches("model.layers.3.mlp.down_proj", ["mlp.down_proj"])

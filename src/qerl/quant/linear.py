@@ -92,6 +92,16 @@ def reference_fp4_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
 # --------------------------------------------------------------------------- the layer
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a view a tensor on the same storage that is not a view (no ``_base``):
+    a buffer whose storage is swapped (``.data = ...``, as the rollout engine's host parking does)
+    then really releases the old storage instead of a hidden base keeping it alive."""
+    if t._base is None:
+        return t
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 class QuantLinear(nn.Linear):
     """Frozen weight-only FP4 linear layer (see the module docstring for the design).
 
@@ -182,7 +192,7 @@ class QuantLinear(nn.Linear):
                 raise ValueError(
                     f"{self.fmt}: {name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}"
                 )
-            self._buffers[name] = t
+            self._buffers[name] = _own(t)
 
     # -- behaviour ----------------------------------------------------------------------------
 
@@ -224,7 +234,7 @@ class QuantLinear(nn.Linear):
             super()._apply(fn, recurse)
         finally:
             for name, dtype in hidden.items():
-                self._buffers[name] = self._buffers[name].view(dtype)
+                self._buffers[name] = _own(self._buffers[name].view(dtype))
         return self
 
     def extra_repr(self) -> str:
