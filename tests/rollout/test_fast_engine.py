@@ -499,14 +499,15 @@ def test_gpu_single_copy_keeps_one_copy_and_the_same_rollout() -> None:
         model = _gpu_model("nvfp4")
         sp = SamplingParams(n=2, greedy=True, max_new_tokens=24, eos_token_ids=(), pad_token_id=0)
         ref = FastEngine().generate(model, PROMPTS, sp)
+        eng = FastEngine(single_copy=True)
+        eng.generate(model, PROMPTS, sp)  # first call: per-process workspaces (cuBLAS per stream)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        eng = FastEngine(single_copy=True)
         for _ in range(2):
             out = eng.generate(model, PROMPTS, sp)
             assert eng.last_stats["parked_gib"] > 0 and eng._gemms is None
             assert torch.equal(out.completion_ids, ref.completion_ids)
-            assert torch.cuda.memory_allocated() <= base + (1 << 20)
+            assert torch.cuda.memory_allocated() <= base  # nothing of the call stays behind
         bufs = [b for n, b in model.named_buffers() if n.endswith("weight_packed")]
         assert bufs and all(b.is_cuda for b in bufs)
     finally:

@@ -94,6 +94,7 @@ class FastEngine:
         self.keep_state = keep_state
         self.single_copy = single_copy
         self._parking = HostParking()
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._plan: Plan | None = None
         self._gemms: dict[int, GroupGemm] | None = None
         self._gemm_backend: str | None = None
@@ -307,8 +308,12 @@ class FastEngine:
         self._state = None
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._state = new_state(plan, key, rows, cap, T, mode,
-                                side_stream=self.lora_overlap and plan.device.type == "cuda")
+        side = None
+        if self.lora_overlap and plan.device.type == "cuda":
+            side = self._side.get(plan.device)
+            if side is None:  # one per engine and device: cuBLAS keeps a workspace per stream
+                side = self._side[plan.device] = torch.cuda.Stream(plan.device)
+        self._state = new_state(plan, key, rows, cap, T, mode, side)
         return self._state
 
     # -- decode -------------------------------------------------------------------------------

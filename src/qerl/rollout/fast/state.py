@@ -70,7 +70,9 @@ def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]
 
 
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
-              side_stream: bool) -> State:
+              side: torch.cuda.Stream | None) -> State:
+    """Buffers for ``rows`` rows and ``cap`` KV slots; ``side``: the LoRA side stream (the
+    engine's one stream: cuBLAS keeps a workspace per stream it has run on, for the process)."""
     dev, dt = plan.device, plan.dtype
     shape = (rows, plan.n_kv, cap, plan.head_dim)
 
@@ -88,7 +90,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         eos=torch.full((8,), -1, dtype=torch.long, device=dev), pad_id=z(1, dtype=torch.long),
         out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
         out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), lora_xa=xa, lora_out=lo,
-        side=torch.cuda.Stream(dev) if side_stream else None)
+        side=side)
 
 
 def reset_outputs(st: State, sp: SamplingParams, u: torch.Tensor, pad_rows: torch.Tensor) -> None:
