@@ -21,9 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from rl_step import DEVICE, build  # noqa: E402
 
-from qerl.train.update import completion_logprobs, make_batch, micro_batch_tokens  # noqa: E402
 from qerl.params import RLParams  # noqa: E402
-
+from qerl.train.update import completion_logprobs, make_batch, micro_batch_tokens  # noqa: E402
 
 CUDA = DEVICE.type == "cuda"
 

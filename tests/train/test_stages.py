@@ -477,7 +477,7 @@ def test_fused_old_logprobs_equal_a_separate_recompute(make_policy, prompts_tabl
         lora0, _ = _lora_and_base(policy)
         calls = []
         monkeypatch.setattr(upd, "fused_old_logprobs", lambda rl, f=fused: f and rl.epochs * rl.minibatches == 1)
-        monkeypatch.setattr(upd, "recompute_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+        monkeypatch.setattr(upd, "recompute_logprobs", lambda *a, c=calls, **k: c.append(1) or real(*a, **k))
         m = update_step(policy, state, scored, _rl(micro_batch_tokens=12), _rcfg())
         lora1, _ = _lora_and_base(policy)
         runs.append(({k: lora1[k] - lora0[k] for k in lora0}, m, len(calls)))

@@ -227,7 +227,7 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
         policy.model.eval()
         fused = fused_old_logprobs(rl)
         if fused:  # filled by the one optimizer step's forward (see the module docstring)
-            old, is_w = torch.zeros_like(rollout_lp), rollout_lp
+            old, is_w = torch.zeros_like(rollout_lp), None
         elif rl.old_logprobs == "recompute":
             old = recompute_logprobs(policy, rows, *fwd, budget)
             is_w, _ = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
@@ -250,7 +250,7 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
                 mb_norm = LossNorm(tokens=tokens_per_opt, sequences=float(len(minibatch)),
                                    max_completion_length=rollout.max_new_tokens)
                 s = _optimizer_step(policy, state, rows, idx, lengths, budget, old, is_w, adv, mb_norm, rl, fwd,
-                                    track_kl=(epoch == 0 and lo == 0), fill_old=fused)
+                                    track_kl=(epoch == 0 and lo == 0), fill_old=rollout_lp if fused else None)
                 if s is None:
                     bad = True
                     break
@@ -291,12 +291,12 @@ def mismatch_stats(old: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tens
 def _optimizer_step(policy: Policy, state: TrainState, rows: pd.DataFrame, idx: list[int], lengths: list[int],
                     budget: int | None, old: torch.Tensor, is_w: torch.Tensor | None, adv: torch.Tensor,
                     norm: LossNorm, rl: RLParams, fwd: tuple[float, int], track_kl: bool,
-                    fill_old: bool = False) -> dict[str, float] | None:
+                    fill_old: torch.Tensor | None = None) -> dict[str, float] | None:
     """One optimizer step accumulated over micro-batches; None (weights untouched) on NaN/inf.
 
-    ``fill_old``: this step's forward gives the PPO denominator; each micro-batch writes its detached
-    log-probs into ``old`` and takes its importance weights from them and the rollout log-probs that
-    ``is_w`` holds then."""
+    ``fill_old`` (the rollout log-probs ``[N, T]``): this step's forward gives the PPO denominator;
+    each micro-batch writes its detached log-probs into ``old`` and takes its importance weights
+    from them and ``fill_old``."""
     state.optimizer.zero_grad(set_to_none=True)
     acc: dict[str, float] = {"train/loss": 0.0, "train/pg_loss": 0.0}
     weighted = dict.fromkeys(WEIGHTED, 0.0)
@@ -308,10 +308,10 @@ def _optimizer_step(policy: Policy, state: TrainState, rows: pd.DataFrame, idx: 
         logp, ent, batch = _sequence_forward(policy, rows, mb, *fwd)
         m = batch["mask"]
         c_w = m.shape[1]  # <= old's width: the longest completion of the micro-batch
-        if fill_old:
+        if fill_old is not None:
             old_mb = logp.detach().float()
             old[mb, :c_w] = old_mb.cpu()
-            is_mb, _ = rollout_is_weights(old_mb, is_w[mb][:, :c_w].to(m.device), m, rl.rollout_is, rl.rollout_is_cap)
+            is_mb, _ = rollout_is_weights(old_mb, fill_old[mb][:, :c_w].to(m.device), m, rl.rollout_is, rl.rollout_is_cap)
         else:
             old_mb = old[mb][:, :c_w].to(m.device)
             is_mb = None if is_w is None else is_w[mb][:, :c_w].to(m.device)
