@@ -10,6 +10,7 @@ each 4-bit backend against the same references.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -449,6 +450,29 @@ def test_host_parking_moves_storage_and_brings_it_back() -> None:
         assert all(torch.equal(t, r) for t, r in zip(ts, ref, strict=True))
     park.park(ts)
     assert [t.data_ptr() for t in ts] == host  # the host buffers are reused
+    park.restore()
+    assert park.host_buffers == 3
+    del ts
+    gc.collect()
+    assert park.host_buffers == 0  # dropped with their tensors
+
+
+def test_park_group_parks_fp4_buffers_and_drops_the_layers_kernel_cache() -> None:
+    """The engine's single-copy step for one group: its members' 4-bit buffers go to the host and
+    any humming copy their QuantLinear cached for itself is dropped."""
+    from qerl.rollout.fast.plan import build_plan
+    from qerl.rollout.fast.residency import HostParking, park_group
+
+    model = _model("qwen2", fmt="nvfp4", lora=True).eval()
+    g = build_plan(model).layers[0].qkv
+    for m in g.members:
+        m.module.kernel_cache.get(("humming", torch.bfloat16), (), lambda: object())
+        assert len(m.module.kernel_cache) == 1
+    park = HostParking()
+    park_group(park, g)
+    assert park.parked == 3 * len(g.members)  # packed, scale, global scale per NVFP4 member
+    assert all(len(m.module.kernel_cache) == 0 for m in g.members)
+    assert all(m.module.weight_packed is m.packed for m in g.members)
     park.restore()
 
 

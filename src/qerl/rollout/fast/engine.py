@@ -38,7 +38,7 @@ from qerl.rollout.fast import decode
 from qerl.rollout.fast.gemm import GroupGemm
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
-from qerl.rollout.fast.residency import HostParking
+from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
 from qerl.rollout.fast.state import State, new_state, record, reset_outputs
 from qerl.rollout.fast.torch_forward import TorchContext, forward_tokens
@@ -132,8 +132,7 @@ class FastEngine:
             for g in plan.groups():  # one group at a time, so single_copy never holds both copies
                 gm = gemms[id(g)] = GroupGemm(g, fp4, plan.dtype, humming_only=self.single_copy)
                 if self.single_copy and gm.humming is not None:
-                    self._parking.park([t for m in g.members for t in m.fp4_tensors()
-                                        if t is not None])
+                    park_group(self._parking, g)
             self._gemms = gemms
             self._gemm_backend = fp4
         return self._gemms

@@ -8,22 +8,29 @@ buffers of every group that humming runs into pinned host memory for the length 
 group by group as humming's copies are made (so the peak never holds both), and brings them back
 afterwards, after humming's copies are freed. The tensors keep their identity (``.data`` is
 swapped), so modules, peft and optimizers see the same objects; only their storage moves. The
-host buffers are kept and reused by the next rollout.
+host buffers are kept and reused by the next rollout (and dropped with their tensor).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-__all__ = ["HostParking"]
+__all__ = ["HostParking", "park_group"]
 
 
 class HostParking:
     """Pinned host copies of device tensors, swapped in and out by storage (see the module doc)."""
 
     def __init__(self) -> None:
-        self._host: dict[int, torch.Tensor] = {}  # id(tensor) -> reusable host buffer
+        self._host: dict[int, torch.Tensor] = {}  # id(tensor) -> host buffer, dropped with the tensor
         self._parked: list[tuple[torch.Tensor, torch.device]] = []
+
+    @property
+    def host_buffers(self) -> int:
+        """Reusable host buffers held (one per live tensor ever parked)."""
+        return len(self._host)
 
     @property
     def parked(self) -> int:
@@ -42,6 +49,8 @@ class HostParking:
                 continue
             host = self._host.get(id(t))
             if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                if host is None:
+                    weakref.finalize(t, self._host.pop, id(t), None)
                 host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
                 self._host[id(t)] = host
             host.copy_(t.data)
@@ -59,3 +68,16 @@ class HostParking:
             t.data = back
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+
+def park_group(parking: HostParking, group) -> None:
+    """Park the 4-bit buffers of a plan group's members, and drop any humming copy a member's
+    ``QuantLinear`` cached for its own small-M forward (``kernel_cache``), so that no second copy
+    survives the rollout on the trainer's side either."""
+    tensors = []
+    for m in group.members:
+        cache = getattr(m.module, "kernel_cache", None)
+        if cache is not None:
+            cache.clear()
+        tensors += [t for t in m.fp4_tensors() if t is not None]
+    parking.park(tensors)
