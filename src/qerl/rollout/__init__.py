@@ -22,7 +22,7 @@ def get_engine(name: str, device: torch.device, kv_budget_gib: float | None = No
     (``rollout.single_weight_copy``): the fast engine holds the 4-bit weights once on the GPU
     (``qerl.rollout.fast.residency``).
 
-    One engine per (name, device, budget) for the process: the fast engine keeps its plan and the
+    One engine per (name, device, budget, single_copy) for the process: the fast engine keeps its plan and the
     prepared 4-bit GEMM tensors across RL steps; its KV cache and captured graph are released when
     each ``generate`` returns, so the update gets that memory back (``FastEngine(keep_state=True)``
     keeps them, for repeated calls without an update in between).

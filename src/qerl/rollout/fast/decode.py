@@ -12,6 +12,8 @@ adds ``lo`` in its epilogue (one load per element) after the streams join.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -32,11 +34,9 @@ def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | Non
     rows = x.shape[0]
     xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
     lo = st.lora_out[kind]
-    if st.side is None:
-        torch.mm(x, g.a_cat.t(), out=xa)
-        return torch.mm(xa, g.b_full.t(), out=lo)
-    st.side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st.side):
+    if st.side is not None:
+        st.side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st.side) if st.side is not None else contextlib.nullcontext():
         torch.mm(x, g.a_cat.t(), out=xa)
         torch.mm(xa, g.b_full.t(), out=lo)
     return lo

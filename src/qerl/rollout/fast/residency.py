@@ -44,9 +44,11 @@ class HostParking:
     def park(self, tensors: list[torch.Tensor]) -> None:
         """Move ``tensors`` to host memory (a tensor already parked is left as is)."""
         pin = torch.cuda.is_available()
+        parked = {id(p) for p, _ in self._parked}
         for t in tensors:
-            if any(t is p for p, _ in self._parked):
+            if id(t) in parked:
                 continue
+            parked.add(id(t))
             host = self._host.get(id(t))
             if host is None or host.shape != t.shape or host.dtype != t.dtype:
                 if host is None:
