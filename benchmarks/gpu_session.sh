@@ -5,6 +5,7 @@
 # bitsandbytes, kedro, ...) carried:
 #   bash benchmarks/gpu_session.sh "tests tune rollout7b64 rollout7b1 rollout32b"
 #   bash benchmarks/gpu_session.sh "rlstep7b rlstep32b rlstep72b"
+#   bash benchmarks/gpu_session.sh paper7b     (one phase per call: about 9 minutes)
 # The humming tuning cache starts from benchmarks/results/humming_tuning_h200.json when present.
 set -x
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KEDRO_DISABLE_TELEMETRY=1
@@ -36,12 +37,13 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_decode_kernels.py \
         tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
-        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | tee "$OUT/gpu_tests.log" ;;
+        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
+        tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tee "$OUT/gpu_tests.log" ;;
     tune)
       timeout 70 python3 -m qerl.kernels.tune --models 7b,32b --formats nvfp4 --ms 1,32,64 --budget-s 55 ;;
-    tune7b)  # a wider search (humming's sampler) at the 7B decode shapes, B=1 and B=64
-      timeout 170 python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --ms 1,64 --samples 40 \
-        --budget-s 150 --json "$OUT/tune_7b.json" ;;
+    tune7b)  # a wider search (humming's sampler) at B=1 for the 7B layers that hold 87 % of the bytes
+      timeout 170 python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --ms 1 --only gate_up,down \
+        --samples 16 --budget-s 140 --json "$OUT/tune_7b.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)
@@ -53,14 +55,19 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 60 python3 benchmarks/sampling.py --rows 1,64,128 --json "$OUT/sampling.json" ;;
     rollout7b64)
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
-        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora \
+        --columns fast_bf16,fast_nvfp4_lora,fast_nvfp4_lora_fused,fast_mxfp4_lora_fused \
         --json "$OUT/rollout_7b64.json" ;;
     rollout7b1)
       timeout 90 python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
-        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora --json "$OUT/rollout_7b1.json" ;;
+        --columns fast_bf16,fast_nvfp4_lora,fast_nvfp4_lora_fused --json "$OUT/rollout_7b1.json" ;;
+    rollout7b1long)  # B=1, 2048 new tokens: the decode attention split over the KV slots, and not
+      timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k \
+        --columns fast_bf16,fast_nvfp4_lora_fused --json "$OUT/rollout_7b1long.json"
+      timeout 60 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k --attention-splits 1 \
+        --columns fast_nvfp4_lora_fused --json "$OUT/rollout_7b1long_nosplit.json" ;;
     rollout32b)
       timeout 120 python3 benchmarks/rollout_throughput.py --rows 32b-32 \
-        --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_32b32.json" ;;
+        --columns fast_bf16,fast_nvfp4_lora,fast_nvfp4_lora_fused --json "$OUT/rollout_32b32.json" ;;
     updatemem)  # activation bytes per token of the update, checkpointing on and off
       timeout 60 python3 benchmarks/update_memory.py --model 7b --format nvfp4 --rows 2,4 --json "$OUT/update_memory.json" ;;
     rlstep7b)  # the paper-like workload: 16 prompts x 8 samples, prompt 256, 1024 new tokens, 2 steps, 64 GiB
@@ -68,6 +75,10 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     rlstep32b)  # memory at 32B: 2 prompts x 8 samples, one step, budgets for a 40 GiB GPU
       timeout 150 $RL --cells 32b/nvfp4 --prompts 2 --steps 1 --memory-budget 38 --kv-budget 10 --single-copy \
         --json "$OUT/rl_step_32b.json" ;;
+    paper7b)  # issue #10 item 5: kedro run -e gpu_paper at the paper's batch on a random 7B (152k vocabulary);
+      # a checkpoint every step, so calling it again (machine still warm) resumes where the time box stopped it
+      QERL_PRESET_SIZE=paper QERL_PRESET_STEPS=${PAPER_STEPS:-2} timeout ${PAPER_TIMEOUT:-540} \
+        bash benchmarks/gpu_preset_smoke.sh qwen2.5-7b "$OUT/paper7b" ;;
     rlstep72b)  # memory at 72B: budgets for an 80 GiB GPU
       timeout 200 $RL --cells 72b/nvfp4 --prompts 2 --steps 1 --memory-budget 76 --kv-budget 20 --single-copy \
         --json "$OUT/rl_step_72b.json" ;;

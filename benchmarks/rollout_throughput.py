@@ -5,11 +5,14 @@ prompts of 128 random tokens, sampling T=1.0 top-p 0.95, a fixed number of new t
 LoRA r=32 (alpha 64) on all linear layers for the ``_lora`` columns.
 
 Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts at batch 1),
+``7b-1-2k`` (B=1, N=2048: long contexts, where the decode attention splits the KV slots),
 ``32b-32`` (B=32, N=128), ``7b-256`` (B=256, N=128), ``1.5b-64`` (B=64, N=256). Columns:
 ``hf_bf16`` (transformers generate), ``hf_nf4`` (bitsandbytes), ``fast_bf16`` (our engine, cuBLAS),
 ``fast_nvfp4`` / ``fast_mxfp4`` (our engine, 4-bit GEMMs by the backend ``qerl.kernels`` resolves
 to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
-``fast_nvfp4_lora_seq`` (LoRA shrinks not overlapped with the base GEMM). Per cell: tokens/s
+``fast_nvfp4_lora_seq`` (LoRA shrinks not overlapped with the base GEMM), ``fast_nvfp4_lora_fused``
+and ``fast_mxfp4_lora_fused`` (the LoRA expand inside the consumer kernels,
+``FastEngine(lora_expand="fused")``). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -52,10 +55,11 @@ ARCH = {
                 tie_word_embeddings=False),
 }
 ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1, 256),
+        "7b-1-2k": ("7b", 1, 2048),
         "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
 COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
            "fast_mxfp4_lora"]
-EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq"]
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_fused", "fast_mxfp4_lora_fused"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 GiB = 1 << 30
@@ -206,8 +210,13 @@ def run_hf(model, B: int, N: int, vocab: int) -> dict:
     return res
 
 
-def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True) -> dict:
-    eng = FastEngine(lora_overlap=lora_overlap, keep_state=True)  # warm-up's graph reused
+ENGINE_KW: dict = {}  # engine options every fast column gets (--attention-splits)
+
+
+def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True,
+             lora_expand: str = "gemm") -> dict:
+    eng = FastEngine(lora_overlap=lora_overlap, keep_state=True,  # warm-up's graph reused
+                     lora_expand=lora_expand, **ENGINE_KW)
     sp = SamplingParams(n=1, temperature=1.0, top_p=0.95, max_new_tokens=N, eos_token_ids=(),
                         pad_token_id=0)
     ps = prompts(B, vocab)
@@ -323,6 +332,9 @@ def with_lora(model, row, B, N, V, record, cols, fmt):
     if fmt == "nvfp4" and "fast_nvfp4_lora_seq" in cols:
         record("fast_nvfp4_lora_seq", lambda: run_fast(pm, B, N, V, lora_overlap=False), pm,
                lora_r=32)
+    if f"fast_{fmt}_lora_fused" in cols:
+        record(f"fast_{fmt}_lora_fused", lambda: run_fast(pm, B, N, V, lora_expand="fused"), pm,
+               lora_r=32)
     model = pm.unload()
     gc.collect()
     torch.cuda.empty_cache()
@@ -339,7 +351,11 @@ def main() -> None:
     ap.add_argument("--check", action="store_true",
                     help="compare the engine's log-probs with a transformers forward pass")
     ap.add_argument("--profile", action="store_true", help="kernel-family time per decode step")
+    ap.add_argument("--attention-splits", type=int, default=None,
+                    help="FastEngine(attention_splits=...) for every fast column (default: automatic)")
     args = ap.parse_args()
+    if args.attention_splits is not None:
+        ENGINE_KW["attention_splits"] = args.attention_splits
     global CHECK, PROFILE
     CHECK, PROFILE = args.check, args.profile
     sys.path.insert(0, os.path.dirname(__file__))
@@ -414,7 +430,7 @@ def main() -> None:
             record("hf_bf16", lambda: run_hf(model, B, N, V), model)
         if "fast_bf16" in cols:
             record("fast_bf16", lambda: run_fast(model, B, N, V), model)
-        if any(c in cols for c in ("fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4", "hf_nf4")):
+        if any(c.startswith(("fast_nvfp4", "fast_mxfp4")) or c == "hf_nf4" for c in cols):
             from qerl.quant.linear import quantize_model_
 
             t0 = time.perf_counter()
@@ -424,14 +440,13 @@ def main() -> None:
                   f"{model_bytes(model) / GiB:.1f} GiB", flush=True)
         if "fast_nvfp4" in cols:
             record("fast_nvfp4", lambda: run_fast(model, B, N, V), model)
-        if "fast_nvfp4_lora" in cols or "fast_nvfp4_lora_seq" in cols:
+        if any(c.startswith("fast_nvfp4_lora") for c in cols):
             model = with_lora(model, row, B, N, V, record, cols, "nvfp4")
-        if any(c in cols for c in ("fast_mxfp4", "fast_mxfp4_lora")) \
-                or ("hf_nf4" in cols and run_hf_here):
+        if any(c.startswith("fast_mxfp4") for c in cols) or ("hf_nf4" in cols and run_hf_here):
             requantize_(model, "mxfp4")
             if "fast_mxfp4" in cols:
                 record("fast_mxfp4", lambda: run_fast(model, B, N, V), model)
-            if "fast_mxfp4_lora" in cols:
+            if any(c.startswith("fast_mxfp4_lora") for c in cols):
                 model = with_lora(model, row, B, N, V, record, cols, "mxfp4")
         if "hf_nf4" in cols and run_hf_here:
             try:

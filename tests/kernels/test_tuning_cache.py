@@ -70,3 +70,23 @@ def test_tuned_interval_choice() -> None:
     assert json.loads(g.tuning_for(1)) == {"t": 1}
     assert json.loads(g.tuning_for(2)) == {"t": 64}
     assert json.loads(g.tuning_for(64)) == {"t": 64}
+
+
+def test_compile_within_keeps_the_successes_done_by_the_deadline() -> None:
+    import time
+
+    from qerl.kernels.tune import compile_within
+
+    def compile_one(s: str) -> bool:
+        if s == "slow":
+            time.sleep(1.0)
+        if s == "boom":
+            raise RuntimeError("illegal candidate")
+        return s != "illegal"
+
+    t0 = time.perf_counter()
+    got = compile_within(["a", "illegal", "slow", "boom", "b"], compile_one,
+                         deadline=time.perf_counter() + 0.3, workers=4)
+    assert got == ["a", "b"]  # order kept; failures, errors and the one past the deadline dropped
+    assert time.perf_counter() - t0 < 0.9  # did not wait for the slow one
+    assert compile_within(["slow", "a"], compile_one, deadline=float("inf"), workers=2) == ["slow", "a"]

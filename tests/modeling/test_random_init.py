@@ -163,3 +163,23 @@ def test_bad_arguments_fail_before_building(tiny_config) -> None:
         build_random_policy_base(tiny_config(), "nvfp4", device="tpu:0")
     with pytest.raises(QerlConfigError, match="quant.on_indivisible"):
         build_random_policy_base(tiny_config(intermediate_size=80), "mxfp4", on_indivisible="error")
+
+
+@pytest.mark.parametrize("real_vocab", [False, True])
+def test_written_random_model_loads_with_the_chosen_vocabulary(real_vocab: bool, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make_random_model`` (the GPU preset's model): the small tokenizer either way, the
+    vocabulary its own size or the architecture's (ids past the tokenizer decode to nothing)."""
+    from transformers import AutoTokenizer
+
+    from qerl.modeling import random_init
+    from qerl.modeling.tiny import VOCAB_MULTIPLE, round_up
+
+    monkeypatch.setitem(random_init.QWEN25, "qwen2.5-test", (64, 128, 2, 4, 2, 1000, False, 1e-6))
+    out = random_init.make_random_model("qwen2.5-test", tmp_path / "m", real_vocab=real_vocab)
+    tok = AutoTokenizer.from_pretrained(out)
+    base = load_policy_base(out, "none", device="cpu", compute_dtype=torch.float32)[0]
+    vocab = base.get_output_embeddings().weight.shape[0]
+    assert vocab == (1000 if real_vocab else round_up(len(tok), VOCAB_MULTIPLE))
+    assert len(tok) < vocab
+    assert tok.decode([5, vocab - 1], skip_special_tokens=True) == tok.decode([5], skip_special_tokens=True)

@@ -569,3 +569,15 @@ def test_recompute_makes_nan_rollout_logprobs_harmless(make_policy, prompts_tabl
     state = _state(policy, tmp_path)
     m = update_step(policy, state, _nan_old_logprobs(_scored(policy, prompts_table)), _rl(), _rcfg())
     assert m["train/skipped_nonfinite"] == 0 and math.isfinite(m["train/loss"])
+
+
+def test_console_line_shows_the_step_time_split_and_skips_missing_values() -> None:
+    from qerl.train.metrics import console_line
+
+    row = {"step": 3, "reward/mean": 0.5, "time/generate": 12.34, "time/update": 56.78,
+           "memory/peak_gib": float("nan"), "train/loss": -0.25}
+    line = console_line(row, 10, eta_s=90)
+    assert line.startswith("step    3/10 | reward 0.500")
+    assert "gen 12.3s" in line and "update 56.8s" in line and "loss -0.2500" in line
+    assert "peak" not in line  # NaN (no CUDA) is left out
+    assert line.endswith("eta 1m30s")

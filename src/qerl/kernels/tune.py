@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -36,10 +37,27 @@ def neighbours(cfg: dict) -> list[dict]:
     return out
 
 
+def compile_within(items: Iterable[str], compile_one: Callable[[str], bool], deadline: float,
+                   workers: int = 16) -> list[str]:
+    """The ``items`` whose ``compile_one`` returned true by ``deadline`` (a ``time.perf_counter``
+    value), in their order; the ones not started by then are dropped, the ones still compiling are
+    left to finish in the background (a compiler call cannot be interrupted)."""
+    items = list(items)
+    pool = ThreadPoolExecutor(max_workers=workers)
+    futs = [pool.submit(compile_one, s) for s in items]
+    left = deadline - time.perf_counter()
+    wait(futs, timeout=None if left == float("inf") else max(0.0, left))
+    pool.shutdown(wait=False, cancel_futures=True)
+    return [s for s, f in zip(items, futs, strict=True)
+            if f.done() and not f.cancelled() and f.exception() is None and f.result()]
+
+
 def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
-               dtype: torch.dtype = torch.bfloat16, log=print) -> dict:
+               dtype: torch.dtype = torch.bfloat16, log=print,
+               deadline: float = float("inf")) -> dict:
     """Tune one GEMM shape on the current GPU; returns ``{M: {"config", "us", "heuristic_us"}}``
-    and writes the winners to :func:`cache_path`."""
+    and writes the winners to :func:`cache_path`. Candidates still compiling at ``deadline`` are
+    left out (humming's heuristic choice is always among the timed ones)."""
     import triton
     from humming.config import ComputeConfig
     from humming.kernel.humming import HummingKernel
@@ -64,15 +82,18 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
     unique = {config_string(c): c for c in cands}
     t0 = time.perf_counter()
 
-    def compile_one(s: str) -> str | None:
+    def compile_one(s: str) -> bool:
         try:
             HummingKernel.prepare_kernels(lc.to_str(), None, s, device=dev)
-            return s
+            return True
         except Exception:  # noqa: BLE001 - an illegal candidate
-            return None
+            return False
 
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        legal = [s for s in pool.map(compile_one, unique) if s is not None]
+    heur_s = [config_string(heur[m]) for m in ms]  # first: compiled before any deadline
+    for s in dict.fromkeys(heur_s):
+        compile_one(s)
+    legal = list(dict.fromkeys(heur_s)) + compile_within(
+        [s for s in unique if s not in heur_s], compile_one, deadline)
     log(f"  {fmt} {n}x{k}: {len(legal)} of {len(unique)} candidates compiled in "
         f"{time.perf_counter() - t0:.1f}s")
     result = {}
@@ -114,19 +135,25 @@ def main() -> None:  # pragma: no cover - GPU only
     ap.add_argument("--formats", default="nvfp4,mxfp4")
     ap.add_argument("--ms", default="1,32,64,128")
     ap.add_argument("--samples", type=int, default=0, help="extra candidates from humming's sampler")
-    ap.add_argument("--budget-s", type=float, default=600.0, help="stop after this long")
+    ap.add_argument("--only", default=None,
+                    help="tune only these layers of the models (of qkv,o,gate_up,down)")
+    ap.add_argument("--budget-s", type=float, default=600.0,
+                    help="stop after this long (shapes not started are skipped, candidates still "
+                         "compiling are dropped)")
     ap.add_argument("--json", default=None, help="also write the timings here")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     t0, report = time.perf_counter(), []
+    only = set(args.only.split(",")) if args.only else None
     shapes = dict.fromkeys((n, k) for mdl in args.models.split(",")
-                           for _, n, k in model_gemm_shapes(mdl))
+                           for name, n, k in model_gemm_shapes(mdl) if only is None or name in only)
     for fmt in args.formats.split(","):
         for n, k in shapes:
             if time.perf_counter() - t0 > args.budget_s:
                 print(f"budget of {args.budget_s:.0f}s spent; {fmt} {n}x{k} not tuned", flush=True)
                 continue
-            res = tune_shape(fmt, n, k, ms, args.samples, log=lambda s: print(s, flush=True))
+            res = tune_shape(fmt, n, k, ms, args.samples, log=lambda s: print(s, flush=True),
+                             deadline=t0 + args.budget_s)
             report.append({"fmt": fmt, "n": n, "k": k,
                            **{str(m): {"us": r["us"], "heuristic_us": r["heuristic_us"]}
                               for m, r in res.items()}})

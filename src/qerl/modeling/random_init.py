@@ -243,12 +243,17 @@ def make_random_model(
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
+    real_vocab: bool = False,
 ) -> Path:
-    """Write a random-init ``arch`` model with the project's small tokenizer to ``out``."""
+    """Write a random-init ``arch`` model with the project's small tokenizer to ``out``.
+
+    ``real_vocab``: the architecture's real vocabulary size (152k for Qwen2.5: the LM head and
+    the logits cost what they cost in a real run; ids past the small tokenizer decode to nothing)
+    instead of the tokenizer's own size."""
     from qerl.modeling.tiny import VOCAB_MULTIPLE, build_tokenizer, round_up
 
     tok = build_tokenizer(None)
-    vocab = round_up(len(tok), VOCAB_MULTIPLE)
+    vocab = QWEN25[arch][5] if real_vocab else round_up(len(tok), VOCAB_MULTIPLE)
     cfg = qwen25_config(arch, vocab, tok.pad_token_id, tok.eos_token_id, max_positions=4096)
     model = build_random_policy_base(cfg, "none", device, dtype, seed)
     out = Path(out)
@@ -285,8 +290,11 @@ def main() -> None:
     ap.add_argument("--gsm8k-size", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--real-vocab", action="store_true",
+                    help="the architecture's real vocabulary size, not the small tokenizer's")
     args = ap.parse_args()
-    print(make_random_model(args.arch, args.out, args.seed, device=args.device))  # noqa: T201
+    print(make_random_model(args.arch, args.out, args.seed, device=args.device,  # noqa: T201
+                            real_vocab=args.real_vocab))
     if args.gsm8k:
         print(write_synthetic_gsm8k(args.gsm8k, args.gsm8k_size, args.seed))  # noqa: T201
 

@@ -29,7 +29,8 @@ SIGMA = "noise/sigma"
 CONSOLE = (
     (REWARD_MEAN, "reward {:.3f}"), (ROLLOUT_ENTROPY, "entropy {:.3f}"), (SIGMA, "sigma {:.1e}"),
     ("rollout/tokens_per_s", "tok/s {:.0f}"), ("train/loss", "loss {:+.4f}"), ("mismatch/kl", "mismatch kl {:.1e}"),
-    ("mismatch/is_weight_mean", "is w {:.3f}"),
+    ("mismatch/is_weight_mean", "is w {:.3f}"), ("time/generate", "gen {:.1f}s"), ("time/update", "update {:.1f}s"),
+    ("memory/peak_gib", "peak {:.1f} GiB"),
 )
 
 

@@ -5,55 +5,64 @@ write (q/k/v epilogue) -> attention -> o GEMM -> add-RMSNorm (o epilogue) -> gat
 SiLU-mul (gate/up epilogue) -> down GEMM. Then the final norm, the LM head (torch group path) and
 sampling.
 
-LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` as two cuBLAS GEMMs into static
-buffers, on a side stream while the main stream runs the group's base GEMM; the consumer kernel
-adds ``lo`` in its epilogue (one load per element) after the streams join.
+LoRA: per group with adapters, the shrink ``xa = x a_cat^T`` as a cuBLAS GEMM into a static
+buffer, on a side stream while the main stream runs the group's base GEMM. ``lora_expand``
+``"gemm"``: the expand ``lo = xa b_full^T`` as a second GEMM there too, the consumer kernel adding
+``lo`` (one load per element) after the streams join; ``"fused"``: for q/k/v and gate/up (ranks up
+to ``kernels.MAX_FUSED_RANK``) the consumer kernel does the expand itself from ``xa`` and
+``b_full`` (one small GEMM launch less per group, see :mod:`qerl.rollout.fast.kernels`); o and
+down keep the expand GEMM.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn.functional as F
 
+from qerl.kernels.dequant import reserve_scratch
 from qerl.rollout.fast import kernels as K
 from qerl.rollout.fast.plan import Group, Plan
 from qerl.rollout.fast.sampling import sample_tokens
 from qerl.rollout.fast.state import State, record
 from qerl.rollout.fast.torch_forward import TorchContext, group_forward
 
-__all__ = ["step"]
+__all__ = ["capture", "step"]
 
 
-def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | None:
-    """Launch the group's LoRA (shrink, then expand into ``st.lora_out[kind]``) on the side
-    stream when there is one; ``None`` for a group without adapters."""
+def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> dict:
+    """Launch the group's LoRA GEMMs (the shrink into ``st.lora_xa[kind]``, and unless the
+    consumer expands (``st.fused_expand``) the expand into ``st.lora_out[kind]``) on the side
+    stream when there is one; returns the consumer's LoRA epilogue fields (empty without
+    adapters)."""
     if not g.r_total:
-        return None
+        return {}
     rows = x.shape[0]
     xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
-    lo = st.lora_out[kind]
+    fused = kind in st.fused_expand
     if st.side is not None:
         st.side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st.side) if st.side is not None else contextlib.nullcontext():
         torch.mm(x, g.a_cat.t(), out=xa)
-        torch.mm(xa, g.b_full.t(), out=lo)
-    return lo
+        if not fused:
+            torch.mm(xa, g.b_full.t(), out=st.lora_out[kind])
+    return {"lora_xa": xa, "lora_b": g.b_full} if fused else {"lora": st.lora_out[kind]}
 
 
-def _join(st: State, lo: torch.Tensor | None) -> None:
+def _join(st: State, lora: dict) -> None:
     """Make the main stream wait for the side stream's LoRA; only after a fork (during graph
     capture, waiting on a side stream that did not fork from the capture invalidates it)."""
-    if st.side is not None and lo is not None:
+    if st.side is not None and lora:
         torch.cuda.current_stream().wait_stream(st.side)
 
 
-def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.Tensor | None,
+def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lora: dict,
                rows: int) -> list[K.Epilogue]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
     cs = gemm.col_scale if gemm is not None and gemm.uses_humming(rows) else None
-    return [K.Epilogue(raw=y, offset=o, col_scale=cs, bias=g.bias, lora=lo)
+    return [K.Epilogue(raw=y, offset=o, col_scale=cs, bias=g.bias, **lora)
             for o, y in zip(g.offsets, raws, strict=True)]
 
 
@@ -75,9 +84,9 @@ def _raw(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Tensor]:
 def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor,
               rows: int) -> list[K.Epilogue]:
     """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel."""
-    lo = _lora(st, kind, g, x)
-    epis = _epilogues(ctx, g, _raw(ctx, g, x), lo, rows)
-    _join(st, lo)
+    lora = _lora(st, kind, g, x)
+    epis = _epilogues(ctx, g, _raw(ctx, g, x), lora, rows)
+    _join(st, lora)
     return epis
 
 
@@ -91,7 +100,7 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
         q, k, v = _finished(st, ctx, "qkv", lay.qkv, x, rows)
         qr = K.qkv_rope(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot, st.pad,
                         plan.rope_scale, plan.n_heads, plan.n_kv, plan.head_dim)
-        ao = K.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling)
+        ao = K.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling, st.attn_splits)
         (o,) = _finished(st, ctx, "o", lay.o, ao, rows)
         x = K.add_rmsnorm(h, lay.ln2, lay.eps2, o)
         g, u = _finished(st, ctx, "gu", lay.gu, x, rows)
@@ -103,3 +112,32 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
     record(st, *sample_tokens(logits, u, st.temp, st.top_p, st.mode))
     st.slot.add_(1)
     st.step.add_(1)
+
+
+def capture(plan: Plan, st: State, ctx: TorchContext) -> None:
+    """Warm up (compiles the kernels) and capture one decode step as a CUDA graph."""
+    if ctx.gemms:
+        need = max(gm.max_scratch() for gm in ctx.gemms.values())
+        reserve_scratch(plan.device, plan.dtype, need)
+    saved = st.snapshot()
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                st.restore(saved)
+                step(plan, st, ctx)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        st.restore(saved)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step(plan, st, ctx)
+        torch.cuda.synchronize()
+        st.graph = g
+    except Exception as e:  # pragma: no cover - depends on the GPU stack
+        warnings.warn(f"fast engine: CUDA graph capture failed ({e!r}); decoding eagerly",
+                      stacklevel=4)
+        st.graph = None
+    finally:
+        st.restore(saved)

@@ -10,7 +10,8 @@ torch; the CPU tests run it against transformers.
 
 LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): a shrink and an
 expand GEMM per group (cuBLAS, on a side stream, overlapping the base GEMM) whose output the
-consumer kernel adds in its epilogue. Adapter weights are copied at the start of every
+consumer kernel adds in its epilogue, or (``lora_expand="fused"``) for q/k/v and gate/up only the
+shrink, the consumer kernel doing the expand. Adapter weights are copied at the start of every
 ``generate``; norm weights are read live, so AQN noise applied in place is seen by captured
 graphs; replaced tensors rebuild the plan.
 
@@ -26,13 +27,11 @@ renormalised; greedy uses ``T = 1``.
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 from torch import nn
 
 from qerl.kernels.backend import resolve_backend
-from qerl.kernels.dequant import reserve_scratch
 from qerl.rollout.base import RolloutBatch, SamplingParams
 from qerl.rollout.fast import decode
 from qerl.rollout.fast.gemm import GroupGemm
@@ -61,6 +60,12 @@ class FastEngine:
         kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
         lora_overlap: run the LoRA GEMMs on a side stream (CUDA).
+        lora_expand: ``"gemm"``: the LoRA expand of a group as a cuBLAS GEMM of its own;
+            ``"fused"``: for q/k/v and gate/up inside the kernel that consumes the group's output
+            (:mod:`qerl.rollout.fast.decode`; the ``triton`` backend only, same results).
+        attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
+            the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
+            multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
         keep_state: keep the KV cache, sampling buffers and captured graph between calls (a
             benchmark's repeated calls); by default they are released when ``generate`` returns, so
             the memory sized from the free device memory goes back to the trainer's update (the
@@ -77,9 +82,17 @@ class FastEngine:
     def __init__(self, backend: str = "auto", use_cuda_graph: bool = True, check_every: int = 16,
                  cache_multiple: int = 128, kv_budget_gib: float | None = None,
                  kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
-                 keep_state: bool = False, single_copy: bool = False) -> None:
+                 keep_state: bool = False, single_copy: bool = False,
+                 lora_expand: str = "gemm", attention_splits: int | None = None) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+        if lora_expand not in ("gemm", "fused"):
+            raise ValueError(f"lora_expand must be gemm or fused, got {lora_expand!r}")
+        if attention_splits is not None and (isinstance(attention_splits, bool)
+                                             or not isinstance(attention_splits, int)
+                                             or not 1 <= attention_splits <= 64):
+            raise ValueError(f"attention_splits must be None or an int in 1..64, got "
+                             f"{attention_splits!r}")
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -93,6 +106,8 @@ class FastEngine:
         self.lora_overlap = lora_overlap
         self.keep_state = keep_state
         self.single_copy = single_copy
+        self.lora_expand = lora_expand
+        self.attention_splits = attention_splits
         self._parking = HostParking()
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -300,7 +315,8 @@ class FastEngine:
     def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
                    backend: str) -> State:
         st = self._state
-        key = (plan.signature, backend, self._gemm_backend)
+        key = (plan.signature, backend, self._gemm_backend, self.lora_expand,
+               self.attention_splits)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -312,7 +328,8 @@ class FastEngine:
             side = self._side.get(plan.device)
             if side is None:  # one per engine and device: cuBLAS keeps a workspace per stream
                 side = self._side[plan.device] = torch.cuda.Stream(plan.device)
-        self._state = new_state(plan, key, rows, cap, T, mode, side)
+        self._state = new_state(plan, key, rows, cap, T, mode, side, self.lora_expand,
+                                self.attention_splits)
         return self._state
 
     # -- decode -------------------------------------------------------------------------------
@@ -332,7 +349,7 @@ class FastEngine:
 
     def _decode_graph(self, plan: Plan, st: State, ctx: TorchContext, T: int) -> int:
         if self.use_cuda_graph and plan.device.type == "cuda" and st.graph is None:
-            self._capture(plan, st, ctx)
+            decode.capture(plan, st, ctx)
         steps = 0
         for t in range(1, T):
             if self.max_decode_steps is not None and steps >= self.max_decode_steps:
@@ -345,34 +362,6 @@ class FastEngine:
             if t % self.check_every == 0 and bool(st.done.all()):
                 break
         return steps
-
-    def _capture(self, plan: Plan, st: State, ctx: TorchContext) -> None:
-        """Warm up (compiles the kernels) and capture one decode step as a CUDA graph."""
-        if ctx.gemms:
-            need = max(gm.max_scratch() for gm in ctx.gemms.values())
-            reserve_scratch(plan.device, plan.dtype, need)
-        saved = st.snapshot()
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    st.restore(saved)
-                    decode.step(plan, st, ctx)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            st.restore(saved)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                decode.step(plan, st, ctx)
-            torch.cuda.synchronize()
-            st.graph = g
-        except Exception as e:  # pragma: no cover - depends on the GPU stack
-            warnings.warn(f"fast engine: CUDA graph capture failed ({e!r}); decoding eagerly",
-                          stacklevel=3)
-            st.graph = None
-        finally:
-            st.restore(saved)
 
 
 def _precompile(gemms: dict[int, GroupGemm], rows: tuple[int, ...]) -> None:

@@ -1,13 +1,18 @@
 """Triton kernels of the fast engine's decode step, and their launchers.
 
 The base GEMMs produce raw outputs (no bias, no LoRA); the kernels that consume them apply the
-group epilogue -- per-column scale (humming's stacked NVFP4), bias, and the group's LoRA output
-``lo = (x a_cat^T) b_full^T`` (two cuBLAS GEMMs the decode step runs on a side stream while the
-base GEMM runs; here it is one more load per element) -- while doing their own work:
+group epilogue -- per-column scale (humming's stacked NVFP4), bias, and the group's LoRA
+``lo = (x a_cat^T) b_full^T`` -- while doing their own work. The LoRA comes in one of two forms
+(the decode step's ``lora_expand``): ``lo`` itself (the shrink and the expand as two cuBLAS GEMMs
+on a side stream; here one more load per element), or, for q/k/v and gate/up, only the shrink
+``xa = x a_cat^T``, the expand then done here, per output tile, as a dot of ``xa`` with the tile's
+rows of ``b_full`` (rank-wide: a few MACs per element and one small GEMM launch less per group;
+not in add + RMSNorm, whose one program per row would read all of ``b_full``):
 
 * :func:`add_rmsnorm`: ``h += epilogue(raw)`` then ``x = rmsnorm(h) * w`` (o and down outputs);
 * :func:`qkv_rope`: epilogue of q/k/v, RoPE, K/V written into the static cache;
-* :func:`attention`: flash-decoding over the filled cache slots;
+* :func:`attention`: flash-decoding over the filled cache slots (split over the slots, and the
+  splits merged by a second kernel, when rows x KV heads would leave multiprocessors idle);
 * :func:`silu_mul`: epilogue of gate/up, then ``silu(g) * u``.
 
 An :class:`Epilogue` names the raw output, the column offset of the member in its group and the
@@ -30,7 +35,8 @@ except Exception:  # noqa: BLE001 - pragma: no cover - depends on the machine
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "qkv_rope", "silu_mul"]
+__all__ = ["HAS_TRITON", "MAX_FUSED_RANK", "Epilogue", "add_rmsnorm", "attention",
+           "attention_splits", "qkv_rope", "silu_mul"]
 
 
 def np2(x: int) -> int:
@@ -42,13 +48,31 @@ class Epilogue:
     """How to finish a raw GEMM output: ``raw * col_scale + bias + lora``.
 
     ``col_scale`` / ``bias`` / ``lora`` are the group's (indexed by global column ``offset + j``;
-    ``lora [M, N_group]`` is the group's LoRA output in the model dtype)."""
+    ``lora [M, N_group]`` is the group's LoRA output in the model dtype). Instead of ``lora``,
+    ``lora_xa [M, R]`` (the shrink ``x a_cat^T``) with ``lora_b [N_group, R]`` (``b_full``;
+    ``R <= MAX_FUSED_RANK``): the kernel does the expand, rounding it to the model dtype as the
+    expand GEMM's output would be (:func:`qkv_rope`, :func:`silu_mul`)."""
 
     raw: torch.Tensor
     offset: int = 0
     col_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     lora: torch.Tensor | None = None
+    lora_xa: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora is not None and self.lora_xa is not None:
+            raise ValueError("Epilogue: give lora or lora_xa/lora_b, not both")
+        if (self.lora_xa is None) != (self.lora_b is None):
+            raise ValueError("Epilogue: lora_xa and lora_b go together")
+        if self.lora_b is not None and self.lora_b.shape[1] > MAX_FUSED_RANK:
+            raise ValueError(f"Epilogue: a fused expand of rank {self.lora_b.shape[1]} > "
+                             f"{MAX_FUSED_RANK}; give the expand GEMM's output as lora")
+
+
+#: Largest group rank the consumer kernels expand themselves (larger tiles spill registers).
+MAX_FUSED_RANK = 256
 
 
 def _block_m(m: int) -> int:
@@ -58,9 +82,20 @@ def _block_m(m: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def _expand_tile(xa_ptr, sxa, rows, rmask, gcol, cmask, lb_ptr, slb, R, RP: tl.constexpr):
+        """``xa[rows, :R] @ b[gcol, :R]^T`` for one ``[BM, BN]`` tile, in float32."""
+        rr = tl.arange(0, RP)
+        rm = rr < R
+        xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * sxa + rr[None, :],
+                     mask=rmask[:, None] & rm[None, :], other=0.0)
+        b = tl.load(lb_ptr + gcol[:, None].to(tl.int64) * slb + rr[None, :],
+                    mask=cmask[:, None] & rm[None, :], other=0.0)
+        return tl.dot(xa, tl.trans(b), input_precision="ieee")  # float32 models: no tf32
+
+    @triton.jit
     def _epilogue(raw_ptr, sr, rows, rmask, lcol, gcol, cmask, cs_ptr, b_ptr, lo_ptr, slo,
-                  HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                  DT: tl.constexpr):
+                  xa_ptr, sxa, lb_ptr, slb, R, HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  LORA: tl.constexpr, RP: tl.constexpr, DT: tl.constexpr):
         m2 = rmask[:, None] & cmask[None, :]
         r64 = rows[:, None].to(tl.int64)
         y = tl.load(raw_ptr + r64 * sr + lcol[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -68,14 +103,17 @@ if HAS_TRITON:
             y = y * tl.load(cs_ptr + gcol, mask=cmask, other=0.0)[None, :]
         if HAS_BIAS:
             y = y + tl.load(b_ptr + gcol, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if HAS_LORA:
+        if LORA == 1:
             y = y + tl.load(lo_ptr + r64 * slo + gcol[None, :], mask=m2, other=0.0).to(tl.float32)
+        if LORA == 2:
+            lo = _expand_tile(xa_ptr, sxa, rows, rmask, gcol, cmask, lb_ptr, slb, R, RP)
+            y = y + lo.to(DT).to(tl.float32)
         return y.to(DT).to(tl.float32)
 
     @triton.jit
     def _add_rmsnorm_kernel(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, w_ptr, out_ptr, H,
                             eps, HAS_ADD: tl.constexpr, HAS_CS: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, CH: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, LORA: tl.constexpr, CH: tl.constexpr):
         row = tl.program_id(0)
         dt = h_ptr.dtype.element_ty
         base = row.to(tl.int64) * H
@@ -91,7 +129,7 @@ if HAS_TRITON:
                     d = d * tl.load(cs_ptr + off + offs, mask=cm, other=0.0)
                 if HAS_BIAS:
                     d = d + tl.load(b_ptr + off + offs, mask=cm, other=0.0).to(tl.float32)
-                if HAS_LORA:
+                if LORA == 1:
                     d = d + tl.load(lo_ptr + row.to(tl.int64) * slo + off + offs, mask=cm,
                                     other=0.0).to(tl.float32)
                 h = (h.to(tl.float32) + d.to(dt).to(tl.float32)).to(dt)
@@ -109,11 +147,12 @@ if HAS_TRITON:
             tl.store(out_ptr + base + offs, y.to(out_ptr.dtype.element_ty), mask=cm)
 
     @triton.jit
-    def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, sq, sk, sv, cs_ptr, b_ptr, lo_ptr, slo,
-                         qo_ptr, kc_ptr, vc_ptr, skb, skh, skl, invf_ptr, slot_ptr, pad_ptr,
-                         rope_scale, M, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                         HALF: tl.constexpr, HALFP: tl.constexpr, HAS_CS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr):
+    def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, sq, sk, sv, cs_ptr, b_ptr, lo_ptr, slo, xa_ptr,
+                         sxa, lb_ptr, slb, R, qo_ptr, kc_ptr, vc_ptr, skb, skh, skl, invf_ptr,
+                         slot_ptr, pad_ptr, rope_scale, M, HQ: tl.constexpr, HKV: tl.constexpr,
+                         D: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr,
+                         HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr,
+                         RP: tl.constexpr, BM: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         h = tl.program_id(1)
         rmask = rows < M
@@ -130,9 +169,10 @@ if HAS_TRITON:
         if h < HQ:
             col = h * D + i
             x1 = _epilogue(q_ptr, sq, rows, rmask, col, col, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
+                           xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
             x2 = _epilogue(q_ptr, sq, rows, rmask, col + HALF, col + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
+                           lo_ptr, slo, xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA,
+                           RP, dt)
             dst = qo_ptr + (r64 * HQ + h) * D + i[None, :]
             tl.store(dst, (x1 * c - x2 * s).to(dt), mask=m2)
             tl.store(dst + HALF, (x2 * c + x1 * s).to(dt), mask=m2)
@@ -141,14 +181,16 @@ if HAS_TRITON:
             col = kh * D + i
             gk = HQ * D + col
             k1 = _epilogue(k_ptr, sk, rows, rmask, col, gk, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
+                           xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
             k2 = _epilogue(k_ptr, sk, rows, rmask, col + HALF, gk + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
+                           lo_ptr, slo, xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA,
+                           RP, dt)
             gv = gk + HKV * D
             v1 = _epilogue(v_ptr, sv, rows, rmask, col, gv, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
+                           xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
             v2 = _epilogue(v_ptr, sv, rows, rmask, col + HALF, gv + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
+                           lo_ptr, slo, xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA,
+                           RP, dt)
             koff = r64 * skb + kh * skh + slot.to(tl.int64) * skl + i[None, :]
             tl.store(kc_ptr + koff, (k1 * c - k2 * s).to(dt), mask=m2)
             tl.store(kc_ptr + koff + HALF, (k2 * c + k1 * s).to(dt), mask=m2)
@@ -156,12 +198,16 @@ if HAS_TRITON:
             tl.store(vc_ptr + koff + HALF, v2.to(dt), mask=m2)
 
     @triton.jit
-    def _attn_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, slot_ptr, pad_ptr, qk_scale,
-                            skb, skh, skl, so, HQ: tl.constexpr, G: tl.constexpr,
+    def _attn_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr, slot_ptr, pad_ptr,
+                            qk_scale, skb, skh, skl, so, HQ: tl.constexpr, G: tl.constexpr,
                             GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            BL: tl.constexpr):
+                            BL: tl.constexpr, S: tl.constexpr):
+        """Row ``b``, KV head ``kh``, split ``s`` of ``S``: online softmax over the split's share
+        of the row's filled slots. ``S == 1``: the normalised output; else the split's running
+        max, sum and unnormalised output go to the partial buffers for :func:`_attn_combine`."""
         b = tl.program_id(0)
         kh = tl.program_id(1)
+        sp = tl.program_id(2)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, DP)
         offs_l = tl.arange(0, BL)
@@ -171,14 +217,18 @@ if HAS_TRITON:
         q = tl.load(q_ptr + qrow[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
         slot = tl.load(slot_ptr)
         padb = tl.load(pad_ptr + b)
+        first = (padb // BL) * BL
+        per = tl.cdiv(tl.cdiv(slot + 1 - first, BL), S) * BL  # slots of one split
+        lo = first + sp * per
+        hi = tl.minimum(lo + per, slot + 1)
         m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((GP,), dtype=tl.float32)
         acc = tl.zeros((GP, DP), dtype=tl.float32)
         kbase = kc_ptr + b.to(tl.int64) * skb + kh * skh
         vbase = vc_ptr + b.to(tl.int64) * skb + kh * skh
-        for start in range((padb // BL) * BL, slot + 1, BL):
+        for start in range(lo, hi, BL):
             ll = start + offs_l
-            lmask = ll <= slot
+            lmask = ll < hi
             kv_mask = lmask[:, None] & dmask[None, :]
             k = tl.load(kbase + ll[:, None] * skl + offs_d[None, :], mask=kv_mask, other=0.0)
             sc = tl.dot(q, tl.trans(k)) * qk_scale
@@ -190,23 +240,53 @@ if HAS_TRITON:
             v = tl.load(vbase + ll[:, None] * skl + offs_d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        col = (kh * G + offs_g)[:, None] * D + offs_d[None, :]
-        tl.store(o_ptr + b.to(tl.int64) * so + col, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=qmask)
+        if S == 1:
+            col = (kh * G + offs_g)[:, None] * D + offs_d[None, :]
+            tl.store(o_ptr + b.to(tl.int64) * so + col,
+                     (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
+        else:
+            prow = qrow * S + sp  # partials [M, HQ, S] and [M, HQ, S, D], float32
+            gm = offs_g < G
+            tl.store(pm_ptr + prow, m_i, mask=gm)
+            tl.store(pl_ptr + prow, l_i, mask=gm)
+            tl.store(o_ptr + prow[:, None] * D + offs_d[None, :], acc, mask=qmask)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, sg, su, cs_ptr, b_ptr, lo_ptr, slo, act_ptr, M, NI,
-                         HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr):
+    def _attn_combine_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, so, HQ: tl.constexpr,
+                             D: tl.constexpr, DP: tl.constexpr, S: tl.constexpr,
+                             SP: tl.constexpr):
+        """Row ``b``, query head ``h``: the splits' partial softmaxes merged (empty splits have
+        max ``-inf`` and weigh nothing)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SP)
+        offs_d = tl.arange(0, DP)
+        smask = offs_s < S
+        prow = (b.to(tl.int64) * HQ + h) * S + offs_s
+        m = tl.load(pm_ptr + prow, mask=smask, other=float("-inf"))
+        lsum = tl.load(pl_ptr + prow, mask=smask, other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+        acc = tl.load(pacc_ptr + prow[:, None] * D + offs_d[None, :],
+                      mask=smask[:, None] & (offs_d < D)[None, :], other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+        tl.store(o_ptr + b.to(tl.int64) * so + h * D + offs_d,
+                 out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, sg, su, cs_ptr, b_ptr, lo_ptr, slo, xa_ptr, sxa, lb_ptr,
+                         slb, R, act_ptr, M, NI, HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         LORA: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < M
         cm = cols < NI
         dt = act_ptr.dtype.element_ty
         g = _epilogue(g_ptr, sg, rows, rmask, cols, cols, cm, cs_ptr, b_ptr, lo_ptr, slo,
-                      HAS_CS, HAS_BIAS, HAS_LORA, dt)
+                      xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
         u = _epilogue(u_ptr, su, rows, rmask, cols, NI + cols, cm, cs_ptr, b_ptr, lo_ptr, slo,
-                      HAS_CS, HAS_BIAS, HAS_LORA, dt)
+                      xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
         sg_ = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         act = (sg_ * u).to(dt)
         tl.store(act_ptr + rows[:, None].to(tl.int64) * NI + cols[None, :], act,
@@ -214,19 +294,26 @@ if HAS_TRITON:
 
 
 def _epi_args(e: Epilogue | None, like: torch.Tensor) -> tuple:
-    """(col_scale, bias, lora, lora stride) pointers or dummies."""
+    """(col_scale, bias, lora, its stride, lora_xa, its stride, lora_b, its stride, rank)
+    pointers and sizes, or dummies."""
     if e is None:
-        return like, like, like, 0
-    return (e.col_scale if e.col_scale is not None else like,
-            e.bias if e.bias is not None else like,
-            e.lora if e.lora is not None else like,
-            e.lora.stride(0) if e.lora is not None else 0)
+        return like, like, like, 0, like, 0, like, 0, 0
+
+    def ptr(t):
+        return t if t is not None else like
+
+    xa, b = e.lora_xa, e.lora_b
+    return (ptr(e.col_scale), ptr(e.bias), ptr(e.lora),
+            e.lora.stride(0) if e.lora is not None else 0,
+            ptr(xa), xa.stride(0) if xa is not None else 0,
+            ptr(b), b.stride(0) if b is not None else 0, b.shape[1] if b is not None else 0)
 
 
 def _flags(e: Epilogue | None) -> dict:
+    lora = 0 if e is None else (1 if e.lora is not None else (2 if e.lora_xa is not None else 0))
     return {"HAS_CS": e is not None and e.col_scale is not None,
             "HAS_BIAS": e is not None and e.bias is not None,
-            "HAS_LORA": e is not None and e.lora is not None}
+            "LORA": lora, "RP": max(16, np2(e.lora_b.shape[1])) if lora == 2 else 16}
 
 
 def add_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float,
@@ -235,9 +322,14 @@ def add_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float,
     m, hid = h.shape
     out = torch.empty_like(h)
     d = add.raw if add is not None else h
+    if add is not None and add.lora_xa is not None:
+        raise ValueError("add_rmsnorm: the o / down LoRA comes as its output (lora), not lora_xa: "
+                         "one program per row would read all of b_full (slower than the GEMM)")
+    flags = _flags(add)
+    del flags["RP"]
     _add_rmsnorm_kernel[(m,)](
-        h, d, d.stride(0), add.offset if add is not None else 0, *_epi_args(add, h), w, out, hid,
-        eps, HAS_ADD=add is not None, CH=1024, num_warps=8 if hid >= 2048 else 4, **_flags(add))
+        h, d, d.stride(0), add.offset if add is not None else 0, *_epi_args(add, h)[:4], w, out,
+        hid, eps, HAS_ADD=add is not None, CH=1024, num_warps=8 if hid >= 2048 else 4, **flags)
     return out
 
 
@@ -259,17 +351,38 @@ def qkv_rope(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc
     return qo
 
 
+def attention_splits(rows: int, n_kv: int, cap: int, sms: int) -> int:
+    """Splits of each row's KV slots for :func:`attention`: 1 while ``rows * n_kv`` programs fill
+    the ``sms`` multiprocessors, else enough for about two waves (at most 32, and at least 256
+    slots of capacity a split: below that the merge costs what the split saves)."""
+    if rows * n_kv >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // (rows * n_kv)), cap // 256, 32))
+
+
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-              pad: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Decode attention of ``q [M, Hq, D]`` over cache slots ``pad[b] .. slot``: ``[M, Hq*D]``."""
+              pad: torch.Tensor, scaling: float, splits: int = 1) -> torch.Tensor:
+    """Decode attention of ``q [M, Hq, D]`` over cache slots ``pad[b] .. slot``: ``[M, Hq*D]``.
+    ``splits > 1``: flash-decoding over the slots -- each (row, KV head) split into ``splits``
+    programs whose partial softmaxes a second kernel merges (small batches, long contexts)."""
     m, hq, d = q.shape
     hkv = kc.shape[1]
     g = hq // hkv
     out = torch.empty((m, hq * d), dtype=q.dtype, device=q.device)
-    _attn_decode_kernel[(m, hkv)](
-        q, kc, vc, out, slot, pad, scaling * 1.4426950408889634, kc.stride(0), kc.stride(1),
-        kc.stride(2), out.stride(0), HQ=hq, G=g, GP=max(16, np2(g)), D=d, DP=max(16, np2(d)),
-        BL=64, num_warps=4)
+    if splits > 1:
+        pacc = torch.empty((m, hq, splits, d), dtype=torch.float32, device=q.device)
+        pm = torch.empty((m, hq, splits), dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    else:
+        pacc, pm, pl = out, out, out  # the kernel writes ``out`` itself
+    _attn_decode_kernel[(m, hkv, splits)](
+        q, kc, vc, pacc, pm, pl, slot, pad, scaling * 1.4426950408889634, kc.stride(0),
+        kc.stride(1), kc.stride(2), out.stride(0), HQ=hq, G=g, GP=max(16, np2(g)), D=d,
+        DP=max(16, np2(d)), BL=64, S=splits, num_warps=4)
+    if splits > 1:
+        _attn_combine_kernel[(m, hq)](pacc, pm, pl, out, out.stride(0), HQ=hq, D=d,
+                                      DP=max(16, np2(d)), S=splits, SP=max(2, np2(splits)),
+                                      num_warps=4)
     return out
 
 
