@@ -32,7 +32,7 @@ try:
     with torch.cuda.graph(g): torch.sort(x, -1, descending=True)
     print('torch.sort [64, 152064] captured')
 except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[:300])"
-      timeout 90 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE \
+      timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -v -p no:cacheprovider -n 8 -rfE \
         tests/kernels/test_gpu_fp4.py tests/kernels/test_dispatch.py \
         tests/rollout/test_decode_kernels.py \
         tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
@@ -55,19 +55,19 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 60 python3 benchmarks/sampling.py --rows 1,64,128 --json "$OUT/sampling.json" ;;
     rollout7b64)
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
-        --columns fast_bf16,fast_nvfp4_lora,fast_nvfp4_lora_fused,fast_mxfp4_lora_fused \
+        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora \
         --json "$OUT/rollout_7b64.json" ;;
     rollout7b1)
       timeout 90 python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
-        --columns fast_bf16,fast_nvfp4_lora,fast_nvfp4_lora_fused --json "$OUT/rollout_7b1.json" ;;
+        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora --json "$OUT/rollout_7b1.json" ;;
     rollout7b1long)  # B=1, 2048 new tokens: the decode attention split over the KV slots, and not
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k \
-        --columns fast_bf16,fast_nvfp4_lora_fused --json "$OUT/rollout_7b1long.json"
+        --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_7b1long.json"
       timeout 60 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k --attention-splits 1 \
-        --columns fast_nvfp4_lora_fused --json "$OUT/rollout_7b1long_nosplit.json" ;;
+        --columns fast_nvfp4_lora --json "$OUT/rollout_7b1long_nosplit.json" ;;
     rollout32b)
       timeout 120 python3 benchmarks/rollout_throughput.py --rows 32b-32 \
-        --columns fast_bf16,fast_nvfp4_lora,fast_nvfp4_lora_fused --json "$OUT/rollout_32b32.json" ;;
+        --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_32b32.json" ;;
     updatemem)  # activation bytes per token of the update, checkpointing on and off
       timeout 60 python3 benchmarks/update_memory.py --model 7b --format nvfp4 --rows 2,4 --json "$OUT/update_memory.json" ;;
     rlstep7b)  # the paper-like workload: 16 prompts x 8 samples, prompt 256, 1024 new tokens, 2 steps, 64 GiB

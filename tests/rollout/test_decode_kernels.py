@@ -28,11 +28,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def _group(m: int, n: int, r: int, dt, cs: bool, bias: bool, lora: str | None, k: int = 64):
-    """Raw output, group vectors and the LoRA for an ``[m, n]`` output, and the float32
-    reference. ``lora``: ``"gemm"`` gives the LoRA output (``(x a^T) b^T`` in the model dtype, as
-    the decode step's two GEMMs make it), ``"fused"`` the shrink ``x a^T`` and ``b`` (the kernel
-    expands), ``None`` no LoRA."""
+def _group(m: int, n: int, r: int, dt, cs: bool, bias: bool, lora: bool, k: int = 64):
+    """Raw output, group vectors and a LoRA output (``(x a^T) b^T`` in the model dtype, as the
+    decode step's two GEMMs make it) for an ``[m, n]`` output, and the float32 reference."""
     g = torch.Generator(device=DEV).manual_seed(m * 1000 + n + r)
     raw = torch.randn(m, n, device=DEV, generator=g).to(dt)
     vec = {"col_scale": torch.rand(n, device=DEV, generator=g) + 0.5 if cs else None,
@@ -40,7 +38,7 @@ def _group(m: int, n: int, r: int, dt, cs: bool, bias: bool, lora: str | None, k
     x = torch.randn(m, k, device=DEV, generator=g).to(dt)
     a = (torch.randn(r, k, device=DEV, generator=g) * 0.2).to(dt)
     b = (torch.randn(n, r, device=DEV, generator=g) * 0.2).to(dt)
-    xa = x @ a.t()
+    lo = (x @ a.t()) @ b.t() if lora else None
     ref = raw.float()
     if cs:
         ref = ref * vec["col_scale"]
@@ -48,14 +46,13 @@ def _group(m: int, n: int, r: int, dt, cs: bool, bias: bool, lora: str | None, k
         ref = ref + vec["bias"].float()
     if lora:
         ref = ref + ((x.float() @ a.float().t()) @ b.float().t())
-    fields = {"gemm": {"lora": xa @ b.t()}, "fused": {"lora_xa": xa, "lora_b": b}}.get(lora, {})
-    epi = K.Epilogue(raw=raw, col_scale=vec["col_scale"], bias=vec["bias"], **fields)
+    epi = K.Epilogue(raw=raw, col_scale=vec["col_scale"], bias=vec["bias"], lora=lo)
     return epi, ref, (x, a)
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("cs,bias,lora", [(False, False, None), (True, True, "gemm"),
-                                          (False, True, "gemm")])
+@pytest.mark.parametrize("cs,bias,lora", [(False, False, False), (True, True, True),
+                                          (False, True, True)])
 def test_add_rmsnorm_with_epilogue(dt, cs, bias, lora) -> None:
     m, hid = 6, 320
     epi, d_ref, _ = _group(m, hid, 12, dt, cs, bias, lora)
@@ -79,9 +76,8 @@ def _rot(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("m,hq,hkv,d,lora", [(3, 4, 2, 32, "gemm"), (20, 6, 2, 16, None),
-                                             (33, 4, 4, 64, "gemm"), (3, 4, 2, 32, "fused"),
-                                             (33, 4, 4, 64, "fused")])
+@pytest.mark.parametrize("m,hq,hkv,d,lora", [(3, 4, 2, 32, True), (20, 6, 2, 16, False),
+                                             (33, 4, 4, 64, True)])
 def test_qkv_rope_writes_rotated_cache(dt, m, hq, hkv, d, lora) -> None:
     n = (hq + 2 * hkv) * d
     epi, ref, _ = _group(m, n, 24, dt, True, True, lora)
@@ -133,8 +129,7 @@ def test_attention_over_filled_slots(dt, splits, slot) -> None:
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("m,inter,lora", [(4, 200, "gemm"), (17, 128, None), (64, 384, "gemm"),
-                                          (4, 200, "fused"), (64, 384, "fused")])
+@pytest.mark.parametrize("m,inter,lora", [(4, 200, True), (17, 128, False), (64, 384, True)])
 def test_silu_mul_epilogue(dt, m, inter, lora) -> None:
     epi, ref, _ = _group(m, 2 * inter, 16, dt, True, True, lora)
     raw = epi.raw
@@ -152,19 +147,3 @@ def test_attention_splits_only_when_programs_would_leave_sms_idle() -> None:
     assert K.attention_splits(1, 4, 16384, 132) == 32  # at most 32
     assert K.attention_splits(8, 4, 8192, 132) == 9  # about two waves: ceil(264 / 32)
     assert K.attention_splits(1, 8, 100, 132) == 1
-
-
-def test_epilogue_takes_one_form_of_lora() -> None:
-    t = torch.zeros(2, 4)
-    with pytest.raises(ValueError, match="not both"):
-        K.Epilogue(raw=t, lora=t, lora_xa=t, lora_b=t)
-    with pytest.raises(ValueError, match="together"):
-        K.Epilogue(raw=t, lora_xa=t)
-    wide = torch.zeros(4, K.MAX_FUSED_RANK + 1)
-    with pytest.raises(ValueError, match="rank"):
-        K.Epilogue(raw=t, lora_xa=torch.zeros(2, wide.shape[1]), lora_b=wide)
-    h = torch.zeros(2, 4, device=DEV)
-    with pytest.raises(ValueError, match="add_rmsnorm"):  # o / down keep the expand GEMM
-        K.add_rmsnorm(h, torch.ones(4, device=DEV), 1e-6,
-                      K.Epilogue(raw=h, lora_xa=torch.zeros(2, 8, device=DEV),
-                                 lora_b=torch.zeros(4, 8, device=DEV)))

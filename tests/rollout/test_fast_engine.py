@@ -276,8 +276,6 @@ def test_bad_engine_options() -> None:
         FastEngine(kv_budget_gib=0)
     with pytest.raises(ValueError, match="kv_budget_fraction"):
         FastEngine(kv_budget_fraction=1.5)
-    with pytest.raises(ValueError, match="lora_expand"):
-        FastEngine(lora_expand="epilogue")
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="attention_splits"):
             FastEngine(attention_splits=bad)
@@ -288,16 +286,15 @@ def test_bad_engine_options() -> None:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
                     reason="CPU check of the Triton decode step, under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt,expand,splits", [(None, "gemm", 1), ("nvfp4", "gemm", 1),
-                                               ("nvfp4", "fused", 3)])
-def test_triton_decode_step_equals_torch_path_interpreted(fmt, expand, splits) -> None:
+@pytest.mark.parametrize("fmt,splits", [(None, 1), ("nvfp4", 1), ("nvfp4", 3)])
+def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits) -> None:
     pytest.importorskip("triton")
     model = _model("qwen2", fmt=fmt, lora=True)
     sp = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, eos_token_ids=(),
                         pad_token_id=0)
     ref = FastEngine(backend="torch").generate(model, PROMPTS, sp,
                                                generator=torch.Generator().manual_seed(0))
-    eng = FastEngine(backend="triton", lora_expand=expand, attention_splits=splits)
+    eng = FastEngine(backend="triton", attention_splits=splits)
     out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["backend"] == "triton"
     assert torch.equal(out.completion_ids, ref.completion_ids)
@@ -316,12 +313,9 @@ def _gpu_model(fmt):
 
 
 @gpu
-@pytest.mark.parametrize("fmt,fp4,expand", [(None, "auto", "gemm"), ("nvfp4", "humming", "gemm"),
-                                            ("mxfp4", "humming", "gemm"),
-                                            ("nvfp4", "humming", "fused"),
-                                            ("nvfp4", "triton", "gemm"), ("nvfp4", "triton", "fused"),
-                                            ("mxfp4", "torch", "gemm")])
-def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4, expand) -> None:
+@pytest.mark.parametrize("fmt,fp4", [(None, "auto"), ("nvfp4", "humming"), ("mxfp4", "humming"),
+                                     ("nvfp4", "triton"), ("mxfp4", "torch")])
+def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
     """bf16 on the GPU: the graph-replayed Triton path agrees with a full forward pass."""
     from qerl.kernels import backend_available, use_backend
 
@@ -330,7 +324,7 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4, expand) -> None:
     previous = use_backend(fp4)
     try:
         model = _gpu_model(fmt)
-        eng = FastEngine(keep_state=True, lora_expand=expand)  # the second call replays the graph
+        eng = FastEngine(keep_state=True)  # the second call replays the first call's graph
         sp = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=40,
                             eos_token_ids=(), pad_token_id=0)
         out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
@@ -357,17 +351,15 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4, expand) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("fmt,lora,expand,splits", [(None, False, "gemm", 1),
-                                                    ("nvfp4", True, "gemm", 1),
-                                                    ("nvfp4", True, "fused", 4)])
-def test_gpu_graph_captured_at_real_model_width(fmt, lora, expand, splits) -> None:
+@pytest.mark.parametrize("fmt,lora,splits", [(None, False, 1), ("nvfp4", True, 1), ("nvfp4", True, 4)])
+def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits) -> None:
     """7B widths and the 152k vocabulary (two layers): the decode step is captured as a graph
     (top-p sampling, the LoRA side stream and split attention included), and agrees with a full
     forward pass."""
     model = _model("qwen2", fmt=fmt, lora=lora, device="cuda", dtype=torch.bfloat16,
                    hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
-    eng = FastEngine(lora_expand=expand, attention_splits=splits)
+    eng = FastEngine(attention_splits=splits)
     sp = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_new_tokens=20, eos_token_ids=(), pad_token_id=0)
     out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["cuda_graph"], "decode step not captured"

@@ -5,13 +5,9 @@ write (q/k/v epilogue) -> attention -> o GEMM -> add-RMSNorm (o epilogue) -> gat
 SiLU-mul (gate/up epilogue) -> down GEMM. Then the final norm, the LM head (torch group path) and
 sampling.
 
-LoRA: per group with adapters, the shrink ``xa = x a_cat^T`` as a cuBLAS GEMM into a static
-buffer, on a side stream while the main stream runs the group's base GEMM. ``lora_expand``
-``"gemm"``: the expand ``lo = xa b_full^T`` as a second GEMM there too, the consumer kernel adding
-``lo`` (one load per element) after the streams join; ``"fused"``: for q/k/v and gate/up (ranks up
-to ``kernels.MAX_FUSED_RANK``) the consumer kernel does the expand itself from ``xa`` and
-``b_full`` (one small GEMM launch less per group, see :mod:`qerl.rollout.fast.kernels`); o and
-down keep the expand GEMM.
+LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` as two cuBLAS GEMMs into static
+buffers, on a side stream while the main stream runs the group's base GEMM; the consumer kernel
+adds ``lo`` in its epilogue (one load per element) after the streams join.
 """
 
 from __future__ import annotations
@@ -32,37 +28,34 @@ from qerl.rollout.fast.torch_forward import TorchContext, group_forward
 __all__ = ["capture", "step"]
 
 
-def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> dict:
-    """Launch the group's LoRA GEMMs (the shrink into ``st.lora_xa[kind]``, and unless the
-    consumer expands (``st.fused_expand``) the expand into ``st.lora_out[kind]``) on the side
-    stream when there is one; returns the consumer's LoRA epilogue fields (empty without
-    adapters)."""
+def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | None:
+    """Launch the group's LoRA (shrink, then expand into ``st.lora_out[kind]``) on the side
+    stream when there is one; ``None`` for a group without adapters."""
     if not g.r_total:
-        return {}
+        return None
     rows = x.shape[0]
     xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
-    fused = kind in st.fused_expand
+    lo = st.lora_out[kind]
     if st.side is not None:
         st.side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st.side) if st.side is not None else contextlib.nullcontext():
         torch.mm(x, g.a_cat.t(), out=xa)
-        if not fused:
-            torch.mm(xa, g.b_full.t(), out=st.lora_out[kind])
-    return {"lora_xa": xa, "lora_b": g.b_full} if fused else {"lora": st.lora_out[kind]}
+        torch.mm(xa, g.b_full.t(), out=lo)
+    return lo
 
 
-def _join(st: State, lora: dict) -> None:
+def _join(st: State, lo: torch.Tensor | None) -> None:
     """Make the main stream wait for the side stream's LoRA; only after a fork (during graph
     capture, waiting on a side stream that did not fork from the capture invalidates it)."""
-    if st.side is not None and lora:
+    if st.side is not None and lo is not None:
         torch.cuda.current_stream().wait_stream(st.side)
 
 
-def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lora: dict,
+def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.Tensor | None,
                rows: int) -> list[K.Epilogue]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
     cs = gemm.col_scale if gemm is not None and gemm.uses_humming(rows) else None
-    return [K.Epilogue(raw=y, offset=o, col_scale=cs, bias=g.bias, **lora)
+    return [K.Epilogue(raw=y, offset=o, col_scale=cs, bias=g.bias, lora=lo)
             for o, y in zip(g.offsets, raws, strict=True)]
 
 
@@ -84,9 +77,9 @@ def _raw(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Tensor]:
 def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor,
               rows: int) -> list[K.Epilogue]:
     """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel."""
-    lora = _lora(st, kind, g, x)
-    epis = _epilogues(ctx, g, _raw(ctx, g, x), lora, rows)
-    _join(st, lora)
+    lo = _lora(st, kind, g, x)
+    epis = _epilogues(ctx, g, _raw(ctx, g, x), lo, rows)
+    _join(st, lo)
     return epis
 
 

@@ -10,8 +10,8 @@ torch; the CPU tests run it against transformers.
 
 LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): a shrink and an
 expand GEMM per group (cuBLAS, on a side stream, overlapping the base GEMM) whose output the
-consumer kernel adds in its epilogue, or (``lora_expand="fused"``) for q/k/v and gate/up only the
-shrink, the consumer kernel doing the expand. Adapter weights are copied at the start of every
+consumer kernel adds in its epilogue (an expand inside the consumer kernels instead was measured
+slower on the H200: docs/benchmarks.md). Adapter weights are copied at the start of every
 ``generate``; norm weights are read live, so AQN noise applied in place is seen by captured
 graphs; replaced tensors rebuild the plan.
 
@@ -60,9 +60,6 @@ class FastEngine:
         kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
         lora_overlap: run the LoRA GEMMs on a side stream (CUDA).
-        lora_expand: ``"gemm"``: the LoRA expand of a group as a cuBLAS GEMM of its own;
-            ``"fused"``: for q/k/v and gate/up inside the kernel that consumes the group's output
-            (:mod:`qerl.rollout.fast.decode`; the ``triton`` backend only, same results).
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
@@ -83,11 +80,9 @@ class FastEngine:
                  cache_multiple: int = 128, kv_budget_gib: float | None = None,
                  kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
                  keep_state: bool = False, single_copy: bool = False,
-                 lora_expand: str = "gemm", attention_splits: int | None = None) -> None:
+                 attention_splits: int | None = None) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
-        if lora_expand not in ("gemm", "fused"):
-            raise ValueError(f"lora_expand must be gemm or fused, got {lora_expand!r}")
         if attention_splits is not None and (isinstance(attention_splits, bool)
                                              or not isinstance(attention_splits, int)
                                              or not 1 <= attention_splits <= 64):
@@ -106,7 +101,6 @@ class FastEngine:
         self.lora_overlap = lora_overlap
         self.keep_state = keep_state
         self.single_copy = single_copy
-        self.lora_expand = lora_expand
         self.attention_splits = attention_splits
         self._parking = HostParking()
         self._side: dict[torch.device, torch.cuda.Stream] = {}
@@ -315,8 +309,7 @@ class FastEngine:
     def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
                    backend: str) -> State:
         st = self._state
-        key = (plan.signature, backend, self._gemm_backend, self.lora_expand,
-               self.attention_splits)
+        key = (plan.signature, backend, self._gemm_backend, self.attention_splits)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -328,8 +321,7 @@ class FastEngine:
             side = self._side.get(plan.device)
             if side is None:  # one per engine and device: cuBLAS keeps a workspace per stream
                 side = self._side[plan.device] = torch.cuda.Stream(plan.device)
-        self._state = new_state(plan, key, rows, cap, T, mode, side, self.lora_expand,
-                                self.attention_splits)
+        self._state = new_state(plan, key, rows, cap, T, mode, side, self.attention_splits)
         return self._state
 
     # -- decode -------------------------------------------------------------------------------

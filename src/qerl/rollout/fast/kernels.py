@@ -1,13 +1,9 @@
 """Triton kernels of the fast engine's decode step, and their launchers.
 
 The base GEMMs produce raw outputs (no bias, no LoRA); the kernels that consume them apply the
-group epilogue -- per-column scale (humming's stacked NVFP4), bias, and the group's LoRA
-``lo = (x a_cat^T) b_full^T`` -- while doing their own work. The LoRA comes in one of two forms
-(the decode step's ``lora_expand``): ``lo`` itself (the shrink and the expand as two cuBLAS GEMMs
-on a side stream; here one more load per element), or, for q/k/v and gate/up, only the shrink
-``xa = x a_cat^T``, the expand then done here, per output tile, as a dot of ``xa`` with the tile's
-rows of ``b_full`` (rank-wide: a few MACs per element and one small GEMM launch less per group;
-not in add + RMSNorm, whose one program per row would read all of ``b_full``):
+group epilogue -- per-column scale (humming's stacked NVFP4), bias, and the group's LoRA output
+``lo = (x a_cat^T) b_full^T`` (two cuBLAS GEMMs the decode step runs on a side stream while the
+base GEMM runs; here it is one more load per element) -- while doing their own work:
 
 * :func:`add_rmsnorm`: ``h += epilogue(raw)`` then ``x = rmsnorm(h) * w`` (o and down outputs);
 * :func:`qkv_rope`: epilogue of q/k/v, RoPE, K/V written into the static cache;
@@ -35,8 +31,8 @@ except Exception:  # noqa: BLE001 - pragma: no cover - depends on the machine
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "MAX_FUSED_RANK", "Epilogue", "add_rmsnorm", "attention",
-           "attention_splits", "qkv_rope", "silu_mul"]
+__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "qkv_rope",
+           "silu_mul"]
 
 
 def np2(x: int) -> int:
@@ -48,31 +44,13 @@ class Epilogue:
     """How to finish a raw GEMM output: ``raw * col_scale + bias + lora``.
 
     ``col_scale`` / ``bias`` / ``lora`` are the group's (indexed by global column ``offset + j``;
-    ``lora [M, N_group]`` is the group's LoRA output in the model dtype). Instead of ``lora``,
-    ``lora_xa [M, R]`` (the shrink ``x a_cat^T``) with ``lora_b [N_group, R]`` (``b_full``;
-    ``R <= MAX_FUSED_RANK``): the kernel does the expand, rounding it to the model dtype as the
-    expand GEMM's output would be (:func:`qkv_rope`, :func:`silu_mul`)."""
+    ``lora [M, N_group]`` is the group's LoRA output in the model dtype)."""
 
     raw: torch.Tensor
     offset: int = 0
     col_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     lora: torch.Tensor | None = None
-    lora_xa: torch.Tensor | None = None
-    lora_b: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.lora is not None and self.lora_xa is not None:
-            raise ValueError("Epilogue: give lora or lora_xa/lora_b, not both")
-        if (self.lora_xa is None) != (self.lora_b is None):
-            raise ValueError("Epilogue: lora_xa and lora_b go together")
-        if self.lora_b is not None and self.lora_b.shape[1] > MAX_FUSED_RANK:
-            raise ValueError(f"Epilogue: a fused expand of rank {self.lora_b.shape[1]} > "
-                             f"{MAX_FUSED_RANK}; give the expand GEMM's output as lora")
-
-
-#: Largest group rank the consumer kernels expand themselves (larger tiles spill registers).
-MAX_FUSED_RANK = 256
 
 
 def _block_m(m: int) -> int:
@@ -82,20 +60,9 @@ def _block_m(m: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _expand_tile(xa_ptr, sxa, rows, rmask, gcol, cmask, lb_ptr, slb, R, RP: tl.constexpr):
-        """``xa[rows, :R] @ b[gcol, :R]^T`` for one ``[BM, BN]`` tile, in float32."""
-        rr = tl.arange(0, RP)
-        rm = rr < R
-        xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * sxa + rr[None, :],
-                     mask=rmask[:, None] & rm[None, :], other=0.0)
-        b = tl.load(lb_ptr + gcol[:, None].to(tl.int64) * slb + rr[None, :],
-                    mask=cmask[:, None] & rm[None, :], other=0.0)
-        return tl.dot(xa, tl.trans(b), input_precision="ieee")  # float32 models: no tf32
-
-    @triton.jit
     def _epilogue(raw_ptr, sr, rows, rmask, lcol, gcol, cmask, cs_ptr, b_ptr, lo_ptr, slo,
-                  xa_ptr, sxa, lb_ptr, slb, R, HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  LORA: tl.constexpr, RP: tl.constexpr, DT: tl.constexpr):
+                  HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+                  DT: tl.constexpr):
         m2 = rmask[:, None] & cmask[None, :]
         r64 = rows[:, None].to(tl.int64)
         y = tl.load(raw_ptr + r64 * sr + lcol[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -103,17 +70,14 @@ if HAS_TRITON:
             y = y * tl.load(cs_ptr + gcol, mask=cmask, other=0.0)[None, :]
         if HAS_BIAS:
             y = y + tl.load(b_ptr + gcol, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if LORA == 1:
+        if HAS_LORA:
             y = y + tl.load(lo_ptr + r64 * slo + gcol[None, :], mask=m2, other=0.0).to(tl.float32)
-        if LORA == 2:
-            lo = _expand_tile(xa_ptr, sxa, rows, rmask, gcol, cmask, lb_ptr, slb, R, RP)
-            y = y + lo.to(DT).to(tl.float32)
         return y.to(DT).to(tl.float32)
 
     @triton.jit
     def _add_rmsnorm_kernel(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, w_ptr, out_ptr, H,
                             eps, HAS_ADD: tl.constexpr, HAS_CS: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, LORA: tl.constexpr, CH: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, CH: tl.constexpr):
         row = tl.program_id(0)
         dt = h_ptr.dtype.element_ty
         base = row.to(tl.int64) * H
@@ -129,7 +93,7 @@ if HAS_TRITON:
                     d = d * tl.load(cs_ptr + off + offs, mask=cm, other=0.0)
                 if HAS_BIAS:
                     d = d + tl.load(b_ptr + off + offs, mask=cm, other=0.0).to(tl.float32)
-                if LORA == 1:
+                if HAS_LORA:
                     d = d + tl.load(lo_ptr + row.to(tl.int64) * slo + off + offs, mask=cm,
                                     other=0.0).to(tl.float32)
                 h = (h.to(tl.float32) + d.to(dt).to(tl.float32)).to(dt)
@@ -147,12 +111,11 @@ if HAS_TRITON:
             tl.store(out_ptr + base + offs, y.to(out_ptr.dtype.element_ty), mask=cm)
 
     @triton.jit
-    def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, sq, sk, sv, cs_ptr, b_ptr, lo_ptr, slo, xa_ptr,
-                         sxa, lb_ptr, slb, R, qo_ptr, kc_ptr, vc_ptr, skb, skh, skl, invf_ptr,
-                         slot_ptr, pad_ptr, rope_scale, M, HQ: tl.constexpr, HKV: tl.constexpr,
-                         D: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr,
-                         HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr,
-                         RP: tl.constexpr, BM: tl.constexpr):
+    def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, sq, sk, sv, cs_ptr, b_ptr, lo_ptr, slo,
+                         qo_ptr, kc_ptr, vc_ptr, skb, skh, skl, invf_ptr, slot_ptr, pad_ptr,
+                         rope_scale, M, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         HALF: tl.constexpr, HALFP: tl.constexpr, HAS_CS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         h = tl.program_id(1)
         rmask = rows < M
@@ -169,10 +132,9 @@ if HAS_TRITON:
         if h < HQ:
             col = h * D + i
             x1 = _epilogue(q_ptr, sq, rows, rmask, col, col, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
+                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
             x2 = _epilogue(q_ptr, sq, rows, rmask, col + HALF, col + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA,
-                           RP, dt)
+                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
             dst = qo_ptr + (r64 * HQ + h) * D + i[None, :]
             tl.store(dst, (x1 * c - x2 * s).to(dt), mask=m2)
             tl.store(dst + HALF, (x2 * c + x1 * s).to(dt), mask=m2)
@@ -181,16 +143,14 @@ if HAS_TRITON:
             col = kh * D + i
             gk = HQ * D + col
             k1 = _epilogue(k_ptr, sk, rows, rmask, col, gk, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
+                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
             k2 = _epilogue(k_ptr, sk, rows, rmask, col + HALF, gk + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA,
-                           RP, dt)
+                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
             gv = gk + HKV * D
             v1 = _epilogue(v_ptr, sv, rows, rmask, col, gv, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
+                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
             v2 = _epilogue(v_ptr, sv, rows, rmask, col + HALF, gv + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA,
-                           RP, dt)
+                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
             koff = r64 * skb + kh * skh + slot.to(tl.int64) * skl + i[None, :]
             tl.store(kc_ptr + koff, (k1 * c - k2 * s).to(dt), mask=m2)
             tl.store(kc_ptr + koff + HALF, (k2 * c + k1 * s).to(dt), mask=m2)
@@ -274,19 +234,18 @@ if HAS_TRITON:
                  out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, sg, su, cs_ptr, b_ptr, lo_ptr, slo, xa_ptr, sxa, lb_ptr,
-                         slb, R, act_ptr, M, NI, HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         LORA: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
-                         BN: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, sg, su, cs_ptr, b_ptr, lo_ptr, slo, act_ptr, M, NI,
+                         HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < M
         cm = cols < NI
         dt = act_ptr.dtype.element_ty
         g = _epilogue(g_ptr, sg, rows, rmask, cols, cols, cm, cs_ptr, b_ptr, lo_ptr, slo,
-                      xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
+                      HAS_CS, HAS_BIAS, HAS_LORA, dt)
         u = _epilogue(u_ptr, su, rows, rmask, cols, NI + cols, cm, cs_ptr, b_ptr, lo_ptr, slo,
-                      xa_ptr, sxa, lb_ptr, slb, R, HAS_CS, HAS_BIAS, LORA, RP, dt)
+                      HAS_CS, HAS_BIAS, HAS_LORA, dt)
         sg_ = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         act = (sg_ * u).to(dt)
         tl.store(act_ptr + rows[:, None].to(tl.int64) * NI + cols[None, :], act,
@@ -294,26 +253,19 @@ if HAS_TRITON:
 
 
 def _epi_args(e: Epilogue | None, like: torch.Tensor) -> tuple:
-    """(col_scale, bias, lora, its stride, lora_xa, its stride, lora_b, its stride, rank)
-    pointers and sizes, or dummies."""
+    """(col_scale, bias, lora, lora stride) pointers or dummies."""
     if e is None:
-        return like, like, like, 0, like, 0, like, 0, 0
-
-    def ptr(t):
-        return t if t is not None else like
-
-    xa, b = e.lora_xa, e.lora_b
-    return (ptr(e.col_scale), ptr(e.bias), ptr(e.lora),
-            e.lora.stride(0) if e.lora is not None else 0,
-            ptr(xa), xa.stride(0) if xa is not None else 0,
-            ptr(b), b.stride(0) if b is not None else 0, b.shape[1] if b is not None else 0)
+        return like, like, like, 0
+    return (e.col_scale if e.col_scale is not None else like,
+            e.bias if e.bias is not None else like,
+            e.lora if e.lora is not None else like,
+            e.lora.stride(0) if e.lora is not None else 0)
 
 
 def _flags(e: Epilogue | None) -> dict:
-    lora = 0 if e is None else (1 if e.lora is not None else (2 if e.lora_xa is not None else 0))
     return {"HAS_CS": e is not None and e.col_scale is not None,
             "HAS_BIAS": e is not None and e.bias is not None,
-            "LORA": lora, "RP": max(16, np2(e.lora_b.shape[1])) if lora == 2 else 16}
+            "HAS_LORA": e is not None and e.lora is not None}
 
 
 def add_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float,
@@ -322,14 +274,9 @@ def add_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float,
     m, hid = h.shape
     out = torch.empty_like(h)
     d = add.raw if add is not None else h
-    if add is not None and add.lora_xa is not None:
-        raise ValueError("add_rmsnorm: the o / down LoRA comes as its output (lora), not lora_xa: "
-                         "one program per row would read all of b_full (slower than the GEMM)")
-    flags = _flags(add)
-    del flags["RP"]
     _add_rmsnorm_kernel[(m,)](
-        h, d, d.stride(0), add.offset if add is not None else 0, *_epi_args(add, h)[:4], w, out,
-        hid, eps, HAS_ADD=add is not None, CH=1024, num_warps=8 if hid >= 2048 else 4, **flags)
+        h, d, d.stride(0), add.offset if add is not None else 0, *_epi_args(add, h), w, out, hid,
+        eps, HAS_ADD=add is not None, CH=1024, num_warps=8 if hid >= 2048 else 4, **_flags(add))
     return out
 
 

@@ -41,7 +41,6 @@ class State:
     out_ent: torch.Tensor
     lora_xa: dict = field(default_factory=dict)  # per group kind: flat [rows * R] shrink buffer
     lora_out: dict = field(default_factory=dict)  # per group kind: [rows, N] LoRA output
-    fused_expand: frozenset = frozenset()  # group kinds whose consumer kernel does the LoRA expand
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
     side: torch.cuda.Stream | None = None
     graph: object = None
@@ -58,32 +57,24 @@ class State:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _lora_buffers(plan: Plan, rows: int, dev: torch.device,
-                  expand: str) -> tuple[dict, dict, frozenset]:
+def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]:
     """Per group kind with adapters (shared by all layers): a flat buffer for the shrink
-    ``x a_cat^T`` of the largest rank (viewed as ``[rows, R]`` per layer) and, when the expand is
-    a GEMM of its own, the group's LoRA output ``[rows, N]``, both in the model dtype; and the
-    kinds whose consumer kernel expands (``expand == "fused"``: q/k/v and gate/up up to
-    ``MAX_FUSED_RANK``)."""
-    xa, out, fused = {}, {}, set()
+    ``x a_cat^T`` of the largest rank (viewed as ``[rows, R]`` per layer) and the group's LoRA
+    output ``[rows, N]``, both in the model dtype."""
+    xa, out = {}, {}
     for kind in ("qkv", "o", "gu", "down"):
         r = max(getattr(lay, kind).r_total for lay in plan.layers)
         if r:
             n = getattr(plan.layers[0], kind).out_f
             xa[kind] = torch.zeros(rows * r, dtype=plan.dtype, device=dev)
-            if expand == "fused" and kind in ("qkv", "gu") and r <= K.MAX_FUSED_RANK:
-                fused.add(kind)
-            else:
-                out[kind] = torch.zeros((rows, n), dtype=plan.dtype, device=dev)
-    return xa, out, frozenset(fused)
+            out[kind] = torch.zeros((rows, n), dtype=plan.dtype, device=dev)
+    return xa, out
 
 
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
-              side: torch.cuda.Stream | None, lora_expand: str = "gemm",
-              attn_splits: int | None = None) -> State:
+              side: torch.cuda.Stream | None, attn_splits: int | None = None) -> State:
     """Buffers for ``rows`` rows and ``cap`` KV slots; ``side``: the LoRA side stream (the
     engine's one stream: cuBLAS keeps a workspace per stream it has run on, for the process);
-    ``lora_expand``: where the LoRA expand runs (:mod:`qerl.rollout.fast.decode`);
     ``attn_splits``: the decode attention's splits (``None``: :func:`kernels.attention_splits`)."""
     dev, dt = plan.device, plan.dtype
     shape = (rows, plan.n_kv, cap, plan.head_dim)
@@ -91,7 +82,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
     def z(*s, dtype=torch.float32):
         return torch.zeros(s, dtype=dtype, device=dev)
 
-    xa, lo, fused = _lora_buffers(plan, rows, dev, lora_expand)
+    xa, lo = _lora_buffers(plan, rows, dev)
     if attn_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         attn_splits = K.attention_splits(rows, plan.n_kv, cap, sms)
@@ -105,7 +96,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         eos=torch.full((8,), -1, dtype=torch.long, device=dev), pad_id=z(1, dtype=torch.long),
         out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
         out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), lora_xa=xa, lora_out=lo,
-        fused_expand=fused, attn_splits=attn_splits, side=side)
+        attn_splits=attn_splits, side=side)
 
 
 def reset_outputs(st: State, sp: SamplingParams, u: torch.Tensor, pad_rows: torch.Tensor) -> None:
