@@ -39,6 +39,9 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    singlecopy)  # the single-copy engine leaves nothing of a call behind (cuBLAS workspaces included)
+      timeout 90 python3 -m pytest -v -p no:cacheprovider -rfE \
+        tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tail -30 ;;
     tune)
       timeout 70 python3 -m qerl.kernels.tune --models 7b,32b --formats nvfp4 --ms 1,32,64 --budget-s 55 ;;
     tune7b)  # a wider search (humming's sampler) at B=1 for the 7B layers that hold 87 % of the bytes

@@ -107,20 +107,20 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
     st.step.add_(1)
 
 
-def capture(plan: Plan, st: State, ctx: TorchContext) -> None:
-    """Warm up (compiles the kernels) and capture one decode step as a CUDA graph."""
+def capture(plan: Plan, st: State, ctx: TorchContext, warm: torch.cuda.Stream) -> None:
+    """Warm up (compiles the kernels) on stream ``warm`` and capture one decode step as a CUDA
+    graph (``warm``: the engine's own, so that no call leaves a new cuBLAS workspace behind)."""
     if ctx.gemms:
         need = max(gm.max_scratch() for gm in ctx.gemms.values())
         reserve_scratch(plan.device, plan.dtype, need)
     saved = st.snapshot()
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
             for _ in range(2):
                 st.restore(saved)
                 step(plan, st, ctx)
-        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.current_stream().wait_stream(warm)
         torch.cuda.synchronize()
         st.restore(saved)
         g = torch.cuda.CUDAGraph()

@@ -103,7 +103,7 @@ class FastEngine:
         self.single_copy = single_copy
         self.attention_splits = attention_splits
         self._parking = HostParking()
-        self._side: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
         self._gemms: dict[int, GroupGemm] | None = None
         self._gemm_backend: str | None = None
@@ -316,13 +316,18 @@ class FastEngine:
         self._state = None
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
-        side = None
-        if self.lora_overlap and plan.device.type == "cuda":
-            side = self._side.get(plan.device)
-            if side is None:  # one per engine and device: cuBLAS keeps a workspace per stream
-                side = self._side[plan.device] = torch.cuda.Stream(plan.device)
+        side = self._stream(plan.device, "lora") if self.lora_overlap else None
         self._state = new_state(plan, key, rows, cap, T, mode, side, self.attention_splits)
         return self._state
+
+    def _stream(self, dev: torch.device, role: str) -> torch.cuda.Stream | None:
+        """This engine's one stream for ``role`` on ``dev`` (CUDA; else ``None``): cuBLAS keeps a
+        workspace for every stream it has run on, for the life of the process."""
+        if dev.type != "cuda":
+            return None
+        if (dev, role) not in self._streams:
+            self._streams[dev, role] = torch.cuda.Stream(dev)
+        return self._streams[dev, role]
 
     # -- decode -------------------------------------------------------------------------------
 
@@ -341,7 +346,7 @@ class FastEngine:
 
     def _decode_graph(self, plan: Plan, st: State, ctx: TorchContext, T: int) -> int:
         if self.use_cuda_graph and plan.device.type == "cuda" and st.graph is None:
-            decode.capture(plan, st, ctx)
+            decode.capture(plan, st, ctx, self._stream(plan.device, "warm-up"))
         steps = 0
         for t in range(1, T):
             if self.max_decode_steps is not None and steps >= self.max_decode_steps:
