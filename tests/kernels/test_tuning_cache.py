@@ -35,6 +35,11 @@ def test_store_and_lookup_round_trip(tuning_file) -> None:
     assert tuning.lookup("mxfp4", 4608, 3584, torch.bfloat16, dev) == {}
     tuning._store(tuning_file, tuning._key("mxfp4", 512, 256, torch.bfloat16), {8: {"a": 1}}, {})
     assert tuning.lookup("nvfp4", 4608, 3584, torch.bfloat16, dev)  # earlier entry kept
+    # re-tuning one row count keeps the others of the shape (a run with --ms 1 once dropped 32, 64)
+    tuning._store(tuning_file, tuning._key("nvfp4", 4608, 3584, torch.bfloat16),
+                  {1: {"block_shape": [8, 128, 128]}}, {})
+    assert tuning.lookup("nvfp4", 4608, 3584, torch.bfloat16, dev) == {
+        1: {"block_shape": [8, 128, 128]}, 64: {"block_shape": [64, 128, 128]}}
 
 
 def test_other_humming_version_or_bad_file_is_ignored(tuning_file, monkeypatch) -> None:

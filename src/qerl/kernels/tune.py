@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.kernels.tuning import _key, _store, cache_path, model_gemm_shapes
+from qerl.kernels.tuning import _key, _store, cache_path, lookup, model_gemm_shapes
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,7 +75,9 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
                              t.get("weight_global_scale"))], dtype=dtype)
     lc = gemm.layer_config()
     heur = {m: get_heuristics_config(lc, shape_m=m, device=dev) for m in ms}
+    cached = lookup(fmt, n, k, dtype, dev)  # the configs tuned before compete too: no regression
     cands = [c for h in heur.values() for c in neighbours(dict(h))]
+    cands += [cached[m] for m in ms if m in cached]
     if samples:
         cands += sample_test_tuning_configs(lc, ComputeConfig(gemm_type="dense"),
                                             sample_size=samples)
@@ -89,11 +91,11 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
         except Exception:  # noqa: BLE001 - an illegal candidate
             return False
 
-    heur_s = [config_string(heur[m]) for m in ms]  # first: compiled before any deadline
-    for s in dict.fromkeys(heur_s):
-        compile_one(s)
-    legal = list(dict.fromkeys(heur_s)) + compile_within(
-        [s for s in unique if s not in heur_s], compile_one, deadline)
+    # humming's heuristic and the cached choice of every M first: compiled before any deadline
+    first = list(dict.fromkeys([config_string(heur[m]) for m in ms]
+                               + [config_string(cached[m]) for m in ms if m in cached]))
+    legal = [s for s in first if compile_one(s)] + compile_within(
+        [s for s in unique if s not in first], compile_one, deadline)
     log(f"  {fmt} {n}x{k}: {len(legal)} of {len(unique)} candidates compiled in "
         f"{time.perf_counter() - t0:.1f}s")
     result = {}

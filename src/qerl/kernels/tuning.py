@@ -82,8 +82,12 @@ def lookup(fmt: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -
 
 
 def _store(path: Path, key: str, best: dict[int, dict], meta: dict) -> None:
+    """Write ``best`` (``{M: config}``) for ``key``; row counts tuned before and not in ``best``
+    are kept."""
     entries = _read(path)
-    entries[key] = {str(m): cfg for m, cfg in sorted(best.items())}
+    merged = {int(m): cfg for m, cfg in entries.get(key, {}).items() if str(m).isdigit()}
+    merged.update(best)
+    entries[key] = {str(m): cfg for m, cfg in sorted(merged.items())}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"humming": _humming_version(), **meta, "entries": entries},
