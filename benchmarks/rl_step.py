@@ -1,5 +1,5 @@
 """Full GRPO steps at real scale on one GPU: rollout -> score -> update through the project's own
-stage functions (``qerl.train.generate.rollouts_table``, ``qerl.train.score.score_step``,
+stage functions (``qerl.train.generate.sample_rollouts``, ``qerl.train.score.score_step``,
 ``qerl.train.update.update_step``), on random-init Qwen2.5 architectures with their real
 vocabulary, built layer by layer on the GPU in the cell's format (no full bf16 copy anywhere).
 
@@ -38,17 +38,14 @@ import torch
 
 from qerl.modeling.lora import apply_lora
 from qerl.modeling.random_init import build_random_policy_base, qwen25_config
-from qerl.noise.aqn import aqn_noise
 from qerl.params import LoraParams, ModelParams, QuantParams, RewardParams, RLParams, RolloutParams
 from qerl.rewards.base import register_reward
 from qerl.rollout import get_engine
-from qerl.rollout.base import SamplingParams
 from qerl.train import distributed as dist
 from qerl.train.checkpoints import RunDir
-from qerl.train.generate import rollouts_table, sampling_generators
+from qerl.train.generate import sample_rollouts
 from qerl.train.policy import Policy
 from qerl.train.score import score_step
-from qerl.train.seeds import generator
 from qerl.train.state import TrainState, build_optimizer, build_scheduler
 from qerl.train.update import update_step
 
@@ -139,21 +136,14 @@ def one_step(policy: Policy, step: int, args, rl: RLParams, rollout: RolloutPara
     ids = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=g).tolist()[lo:hi]
     prompts = pd.DataFrame({"id": [f"p{k}" for k in range(lo, hi)], "prompt": [""] * (hi - lo),
                             "answer": "0", "task": "random", "metadata": "{}"})
-    sampling = SamplingParams(n=args.group, temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
-                              eos_token_ids=(), pad_token_id=0)
-    engine = get_engine(rollout.engine, policy.device, rollout.kv_budget_gib,
-                        rollout.single_weight_copy)
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     _sync()
-    t0 = time.perf_counter()
-    with aqn_noise(policy.model, args.sigma, generator(0, step, "aqn", policy.device)):
-        batch = engine.generate(policy.model, ids, sampling, sampling_generators(0, step, list(range(lo, hi))))
-    _sync()
-    t_roll = time.perf_counter() - t0
+    # the trainer's own sampling stage, with fixed-length completions (no EOS)
+    table = sample_rollouts(policy, prompts, ids, step, args.sigma, rollout, 0, rows=list(range(lo, hi)),
+                            eos_token_ids=())
     # what stays allocated once the engine has released its KV cache (weights + prepared 4-bit tensors)
     alloc_rollout = torch.cuda.memory_allocated() / 2**30 if DEVICE.type == "cuda" else float("nan")
-    table = rollouts_table(policy, prompts, batch, step, args.sigma, t_roll, 0, 0)
     table.insert(0, "run", "bench/rl_step")
     scored = score_step(table, RewardParams(functions=[{"name": "bench_random", "kwargs": {"seed": step}}]), rl)
     peak_rollout = _peak_gib()

@@ -24,7 +24,7 @@ from qerl.rewards.base import register_reward
 from qerl.rollout.base import SamplingParams
 from qerl.rollout.hf import HFGenerateEngine
 from qerl.train.checkpoints import RunDir
-from qerl.train.generate import encode_prompts, rollout_step, select_prompts
+from qerl.train.generate import encode_prompts, rollout_step, sample_rollouts, select_prompts
 from qerl.train.score import score_step
 from qerl.train.seeds import generator
 from qerl.train.state import TrainState, build_optimizer, build_scheduler
@@ -581,3 +581,17 @@ def test_console_line_shows_the_step_time_split_and_skips_missing_values() -> No
     assert "gen 12.3s" in line and "update 56.8s" in line and "loss -0.2500" in line
     assert "peak" not in line  # NaN (no CUDA) is left out
     assert line.endswith("eta 1m30s")
+
+
+def test_sample_rollouts_is_rollout_steps_sampling_and_can_drop_eos(make_policy, prompts_table, many_eos) -> None:
+    """``rollout_step`` = encode + ``sample_rollouts``: the same table from the same ids and draws;
+    ``eos_token_ids=()`` makes every completion run to ``max_new_tokens`` (the benchmarks' fixed length)."""
+    policy = make_policy(eos=many_eos)  # many EOS ids: the tiny model stops early now and then
+    cfg = _rcfg(group_size=3, max_new_tokens=8)
+    via_step = rollout_step(policy, prompts_table, 2, 0.0, cfg, 7, HFGenerateEngine())
+    ids, kept, _, _ = encode_prompts(policy, list(prompts_table["prompt"]), cfg.max_prompt_tokens, "truncate")
+    direct = sample_rollouts(policy, prompts_table, ids, 2, 0.0, cfg, 7, HFGenerateEngine(), rows=kept)
+    assert list(direct["completion_ids"]) == list(via_step["completion_ids"])
+    assert (via_step["completion_tokens"] < 8).any()  # some stopped at an EOS
+    fixed = sample_rollouts(policy, prompts_table, ids, 2, 0.0, cfg, 7, HFGenerateEngine(), eos_token_ids=())
+    assert (fixed["completion_tokens"] == 8).all() and len(fixed) == 3 * len(prompts_table)

@@ -105,13 +105,28 @@ def rollout_step(
         raise QerlConfigError(
             "rollout.max_prompt_tokens", f"every prompt of step {step} is longer than {r.max_prompt_tokens} tokens and "
             "rollout.overlong_prompt=drop removed them all", "raise max_prompt_tokens or use truncate")
-    prompts = prompts.iloc[kept].reset_index(drop=True)
+    return sample_rollouts(policy, prompts.iloc[kept].reset_index(drop=True), ids, step, sigma, r, seed, engine,
+                           [first + i for i in kept], n_trunc, n_drop)
+
+
+def sample_rollouts(
+    policy: Policy, prompts: pd.DataFrame, ids: list[list[int]], step: int, sigma: float, rollout: RolloutParams,
+    seed: int, engine: RolloutEngine | None = None, rows: list[int] | None = None, n_trunc: int = 0, n_drop: int = 0,
+    eos_token_ids: tuple[int, ...] | None = None,
+) -> pd.DataFrame:
+    """The sampling half of :func:`rollout_step` for prompts already encoded (``ids``, one per row of
+    ``prompts``; ``rows``: their numbers in the step, for the per-prompt sampling draws): AQN noise on,
+    ``rollout.group_size`` completions each, the rollouts table. ``eos_token_ids`` overrides the
+    policy's (``()``: fixed-length completions, as the benchmarks use)."""
+    r = rollout
+    eos = policy.eos_token_ids if eos_token_ids is None else eos_token_ids
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              eos_token_ids=policy.eos_token_ids, pad_token_id=policy.pad_token_id)
+                              eos_token_ids=eos, pad_token_id=policy.pad_token_id)
     engine = engine or get_engine(r.engine, policy.device, r.kv_budget_gib, r.single_weight_copy)
+    rows = list(range(len(ids))) if rows is None else rows
     t0 = time.perf_counter()
     with aqn_noise(policy.model, sigma, generator(seed, step, "aqn", policy.device)) as noise:
-        batch = engine.generate(policy.model, ids, sampling, sampling_generators(seed, step, [first + i for i in kept]))
+        batch = engine.generate(policy.model, ids, sampling, sampling_generators(seed, step, rows))
     if policy.device.type == "cuda":
         torch.cuda.synchronize(policy.device)
     seconds = time.perf_counter() - t0
