@@ -462,11 +462,13 @@ def test_gradient_accumulation_equals_one_pass_over_the_union(make_policy, promp
         torch.testing.assert_close(accum[k], whole[k], atol=2e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("minibatches", [1, 2])
 def test_fused_old_logprobs_equal_a_separate_recompute(make_policy, prompts_table, many_eos, tmp_path,
-                                                       monkeypatch) -> None:
-    """One optimizer step per batch takes the PPO denominator from its own forward: the same update
-    and the same mismatch metrics as a no-grad recompute pass before it (with noisy rollouts, so
-    the importance weights are not all 1), and one forward pass fewer."""
+                                                       monkeypatch, minibatches: int) -> None:
+    """The first optimizer step takes its rows' PPO denominators from its own forward: the same update
+    and the same mismatch metrics as a no-grad recompute pass over every row before it (with noisy
+    rollouts, so the importance weights are not all 1); the pass covers only the later minibatches'
+    rows (none with one optimizer step)."""
     import qerl.train.update as upd
 
     runs, real = [], upd.recompute_logprobs
@@ -475,15 +477,22 @@ def test_fused_old_logprobs_equal_a_separate_recompute(make_policy, prompts_tabl
         state = _state(policy, tmp_path)
         scored = _scored(policy, prompts_table, sigma=0.05)
         lora0, _ = _lora_and_base(policy)
-        calls = []
-        monkeypatch.setattr(upd, "fused_old_logprobs", lambda rl, f=fused: f and rl.epochs * rl.minibatches == 1)
-        monkeypatch.setattr(upd, "recompute_logprobs", lambda *a, c=calls, **k: c.append(1) or real(*a, **k))
-        m = update_step(policy, state, scored, _rl(micro_batch_tokens=12), _rcfg())
+        recomputed = []
+
+        def counted(policy_, rows, *a, only=None, **k):
+            recomputed.append(len(rows) if only is None else len(only))
+            return real(policy_, rows, *a, only=only, **k)
+
+        monkeypatch.setattr(upd, "fused_old_logprobs", lambda rl, f=fused: f and rl.old_logprobs == "recompute")
+        monkeypatch.setattr(upd, "recompute_logprobs", counted)
+        m = update_step(policy, state, scored, _rl(micro_batch_tokens=12, minibatches=minibatches), _rcfg())
         lora1, _ = _lora_and_base(policy)
-        runs.append(({k: lora1[k] - lora0[k] for k in lora0}, m, len(calls)))
-    (d_fused, m_fused, n_fused), (d_ref, m_ref, n_ref) = runs
-    assert (n_fused, n_ref) == (0, 1)
+        runs.append(({k: lora1[k] - lora0[k] for k in lora0}, m, recomputed, int(scored["kept"].sum())))
+    (d_fused, m_fused, n_fused, kept), (d_ref, m_ref, n_ref, _) = runs
+    assert n_ref == [kept]
+    assert n_fused == ([] if minibatches == 1 else [kept - math.ceil(kept / minibatches)])
     assert m_ref["mismatch/logprob_gap_max"] > 1e-3 and m_ref["mismatch/is_weight_max"] != 1.0
+    assert m_fused["train/optimizer_steps"] == minibatches
     for key in ("mismatch/logprob_gap_mean", "mismatch/logprob_gap_max", "mismatch/kl",
                 "mismatch/is_weight_mean", "mismatch/is_weight_max", "mismatch/is_clipped_frac", "train/loss"):
         assert m_fused[key] == pytest.approx(m_ref[key], rel=1e-4, abs=1e-6), key

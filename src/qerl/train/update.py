@@ -11,10 +11,10 @@ states through the LM head in checkpointed chunks of ``rl.logprob_chunk_tokens``
 With ``rl.old_logprobs: recompute`` the PPO ratio's denominator is the trainer's log-prob on the
 clean policy before the update (ratio exactly 1 on the first epoch), and ``rl.rollout_is`` weights
 each token by the truncated/masked ``pi_old / pi_rollout`` for the rollout/trainer mismatch (the 4-bit
-sampler's kernels and its AQN noise). With several optimizer steps per batch (``epochs x
-minibatches > 1``) that is a no-grad forward over the batch before the first step; with one, the
-step's own forward is that clean policy's, so its detached log-probs are used and the extra
-forward pass (a quarter of the update's FLOPs) is skipped (:func:`fused_old_logprobs`).
+sampler's kernels and its AQN noise). The first optimizer step's forward runs on that clean policy,
+so its rows take their denominators from its own detached log-probs; only the rows of the later
+minibatches get a no-grad forward before it (none with one optimizer step per batch: a quarter of
+the update's FLOPs saved; a quarter of that pass's with 4 minibatches) (:func:`fused_old_logprobs`).
 
 Under ``torchrun`` (``qerl.train.distributed``) each rank holds the kept rows of its own prompts; the
 global batch is their concatenation in rank order. The minibatches are drawn over that global batch,
@@ -196,12 +196,13 @@ def _sequence_forward(policy: Policy, rows: pd.DataFrame, idx: list[int], temper
 
 @torch.no_grad()
 def recompute_logprobs(policy: Policy, rows: pd.DataFrame, temperature: float, chunk: int, budget: int | None,
-                       adapter: bool = True) -> torch.Tensor:
-    """No-grad trainer log-probs of every kept row [N, T] (eval mode: no dropout)."""
+                       adapter: bool = True, only: list[int] | None = None) -> torch.Tensor:
+    """No-grad trainer log-probs of the kept rows [N, T] (eval mode: no dropout); with ``only``, of
+    those rows (the others stay 0)."""
     width = _width(rows)
     out = torch.zeros((len(rows), width))
     lengths = (rows["prompt_tokens"] + rows["completion_tokens"]).tolist()
-    for mb in micro_batches(list(range(len(rows))), lengths, budget):
+    for mb in micro_batches(list(range(len(rows))) if only is None else list(only), lengths, budget):
         logp, _, _ = _sequence_forward(policy, rows, mb, temperature, chunk, adapter=adapter)
         out[mb, : logp.shape[1]] = logp.float().cpu()
     return out
@@ -224,10 +225,16 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
         width = _width(rows)
         rollout_lp = padded(list(rows["logprobs"]), width)
         mask = padded([[1.0] * n for n in rows["completion_tokens"]], width)
+        order = torch.randperm(n_rows, generator=generator(rl.seed, step, "minibatch")).tolist()
+        mb_size = math.ceil(n_rows / rl.minibatches)
         policy.model.eval()
         fused = fused_old_logprobs(rl)
-        if fused:  # filled by the one optimizer step's forward (see the module docstring)
-            old, is_w = torch.zeros_like(rollout_lp), None
+        if fused:  # the first optimizer step fills its own rows (see the module docstring)
+            first = set(dist.local_indices(order[:mb_size], counts))
+            rest = [i for i in range(len(rows)) if i not in first]
+            old = recompute_logprobs(policy, rows, *fwd, budget, only=rest) if rest \
+                else torch.zeros_like(rollout_lp)
+            is_w = None  # from the complete ``old``, once the first step has filled it
         elif rl.old_logprobs == "recompute":
             old = recompute_logprobs(policy, rows, *fwd, budget)
             is_w, _ = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
@@ -238,8 +245,6 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
         tokens_per_opt = max(batch_tokens, 1.0) / max(1, rl.minibatches)
         adv = torch.tensor(rows["advantage"].to_numpy(), dtype=torch.float32)
         lengths = (rows["prompt_tokens"] + rows["completion_tokens"]).tolist()
-        order = torch.randperm(n_rows, generator=generator(rl.seed, step, "minibatch")).tolist()
-        mb_size = math.ceil(n_rows / rl.minibatches)
         saved = _save_update_state(policy, state) if rl.epochs * rl.minibatches > 1 else None
         per_opt: list[dict[str, float]] = []
         policy.model.train()
@@ -249,16 +254,19 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
                 idx = dist.local_indices(minibatch, counts)
                 mb_norm = LossNorm(tokens=tokens_per_opt, sequences=float(len(minibatch)),
                                    max_completion_length=rollout.max_new_tokens)
+                fill = fused and epoch == 0 and lo == 0
                 s = _optimizer_step(policy, state, rows, idx, lengths, budget, old, is_w, adv, mb_norm, rl, fwd,
-                                    track_kl=(epoch == 0 and lo == 0), fill_old=rollout_lp if fused else None)
+                                    track_kl=(epoch == 0 and lo == 0), fill_old=rollout_lp if fill else None)
                 if s is None:
                     bad = True
                     break
+                if fill:  # ``old`` is complete now: the later steps' importance weights
+                    is_w, _ = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
                 per_opt.append(s)
             if bad:
                 break
         policy.model.eval()
-        if not (fused and bad):  # a skipped fused step left ``old`` unfilled
+        if not (fused and bad and not per_opt):  # a skipped first step left its rows of ``old`` unfilled
             stats.update(dist.reduce_stats(mismatch_stats(old, rollout_lp, mask, rl), float(mask.sum())))
         if bad and saved is not None and per_opt:  # earlier optimizer steps were applied: undo them
             _restore_update_state(policy, state, saved)
@@ -271,9 +279,9 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
 
 
 def fused_old_logprobs(rl: RLParams) -> bool:
-    """Whether the PPO denominator comes from the update's own forward: ``recompute`` with one
-    optimizer step per batch, where that forward runs on the clean pre-update policy."""
-    return rl.old_logprobs == "recompute" and rl.epochs * rl.minibatches == 1
+    """Whether the first optimizer step's own forward (on the clean pre-update policy) gives its
+    rows' PPO denominators (``recompute``); the other rows' come from a no-grad pass before it."""
+    return rl.old_logprobs == "recompute"
 
 
 def mismatch_stats(old: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, rl: RLParams) -> dict[str, float]:
