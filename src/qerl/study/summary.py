@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
 from qerl.train.metrics import REWARD_MEAN, ROLLOUT_ENTROPY
+
+if TYPE_CHECKING:  # matplotlib is imported by the plotting functions: every kedro command imports this module
+    import matplotlib.pyplot as plt
 
 
 def first_step_reaching(metrics: pd.DataFrame, column: str, threshold: float, window: int = 5) -> float:
@@ -60,6 +63,8 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 def curves_figure(metrics: pd.DataFrame, column: str, label: str) -> plt.Figure:
     """Mean over seeds (line) and min-max spread (band) of ``column`` per variant."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for variant, m in metrics.groupby("variant", sort=False):
         piv = m.pivot_table(index="step", columns="seed", values=column)
@@ -75,6 +80,8 @@ def curves_figure(metrics: pd.DataFrame, column: str, label: str) -> plt.Figure:
 
 def final_accuracy_figure(runs: pd.DataFrame) -> plt.Figure:
     """Held-out greedy pass@1 after training per variant: mean +- std over seeds, seeds as dots."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     variants = list(dict.fromkeys(runs["variant"]))
     for i, v in enumerate(variants):
