@@ -23,6 +23,7 @@ run: setup
 	test -f data/06_models/embedded_model/config.json || $(BIN)/kedro run --pipelines=embedded_model
 	$(BIN)/kedro run --pipelines=qerl_train
 
-## make test: the test suite (what CI runs)
+## make test: the test suite (what CI runs), on two workers; a test file stays on one worker
+## (tests/test_cli.py's tests share one project copy, in order)
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
