@@ -228,18 +228,17 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
         order = torch.randperm(n_rows, generator=generator(rl.seed, step, "minibatch")).tolist()
         mb_size = math.ceil(n_rows / rl.minibatches)
         policy.model.eval()
-        fused = fused_old_logprobs(rl)
-        if fused:  # the first optimizer step fills its own rows (see the module docstring)
-            first = set(dist.local_indices(order[:mb_size], counts))
-            rest = [i for i in range(len(rows)) if i not in first]
+        fused = fused_old_logprobs(rl)  # the first optimizer step fills its own rows (see the module docstring)
+        filled = set(dist.local_indices(order[:mb_size], counts)) if fused else set()
+        is_w = is_stats = None  # the importance weights and their statistics, once ``old`` is complete
+        if rl.old_logprobs == "recompute":
+            rest = [i for i in range(len(rows)) if i not in filled]
             old = recompute_logprobs(policy, rows, *fwd, budget, only=rest) if rest \
                 else torch.zeros_like(rollout_lp)
-            is_w = None  # from the complete ``old``, once the first step has filled it
-        elif rl.old_logprobs == "recompute":
-            old = recompute_logprobs(policy, rows, *fwd, budget)
-            is_w, _ = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
+            if not fused:
+                is_w, is_stats = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
         else:
-            old, is_w = rollout_lp, None
+            old = rollout_lp
         # LossNorm.of's denominators, counted over every rank: the batch's tokens per optimizer step
         batch_tokens = dist.all_sum({"tokens": float(mask.sum())})["tokens"]
         tokens_per_opt = max(batch_tokens, 1.0) / max(1, rl.minibatches)
@@ -261,13 +260,13 @@ def update_step(policy: Policy, state: TrainState, scored: pd.DataFrame, rl: RLP
                     bad = True
                     break
                 if fill:  # ``old`` is complete now: the later steps' importance weights
-                    is_w, _ = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
+                    is_w, is_stats = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
                 per_opt.append(s)
             if bad:
                 break
         policy.model.eval()
-        if not (fused and bad and not per_opt):  # a skipped first step left its rows of ``old`` unfilled
-            stats.update(dist.reduce_stats(mismatch_stats(old, rollout_lp, mask, rl), float(mask.sum())))
+        if per_opt or not fused:  # a skipped first step left its rows of ``old`` unfilled
+            stats.update(dist.reduce_stats(mismatch_stats(old, rollout_lp, mask, is_stats), float(mask.sum())))
         if bad and saved is not None and per_opt:  # earlier optimizer steps were applied: undo them
             _restore_update_state(policy, state, saved)
         if not bad:
@@ -284,12 +283,12 @@ def fused_old_logprobs(rl: RLParams) -> bool:
     return rl.old_logprobs == "recompute"
 
 
-def mismatch_stats(old: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, rl: RLParams) -> dict[str, float]:
-    """The rollout/trainer mismatch of the batch: |old - rollout| log-prob gaps and, when the
-    denominator is the trainer's (``recompute``), the importance-weight statistics."""
-    out: dict[str, float] = {}
-    if rl.old_logprobs == "recompute":
-        _, out = rollout_is_weights(old, rollout_lp, mask, rl.rollout_is, rl.rollout_is_cap)
+def mismatch_stats(old: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor,
+                   is_stats: dict[str, float] | None = None) -> dict[str, float]:
+    """The rollout/trainer mismatch of the batch: |old - rollout| log-prob gaps, with the
+    importance-weight statistics ``rollout_is_weights`` gave for that ``old`` when the denominator is
+    the trainer's (``recompute``; ``None`` otherwise)."""
+    out: dict[str, float] = dict(is_stats or {})
     gap = ((old - rollout_lp).abs() * mask)
     out["mismatch/logprob_gap_mean"] = float(gap.sum() / mask.sum().clamp(min=1))
     out["mismatch/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
