@@ -94,7 +94,7 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
     # humming's heuristic and the cached choice of every M first: compiled before any deadline
     first = list(dict.fromkeys([config_string(heur[m]) for m in ms]
                                + [config_string(cached[m]) for m in ms if m in cached]))
-    legal = [s for s in first if compile_one(s)] + compile_within(
+    legal = compile_within(first, compile_one, float("inf")) + compile_within(
         [s for s in unique if s not in first], compile_one, deadline)
     log(f"  {fmt} {n}x{k}: {len(legal)} of {len(unique)} candidates compiled in "
         f"{time.perf_counter() - t0:.1f}s")

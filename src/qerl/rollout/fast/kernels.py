@@ -164,7 +164,7 @@ if HAS_TRITON:
                             BL: tl.constexpr, S: tl.constexpr):
         """Row ``b``, KV head ``kh``, split ``s`` of ``S``: online softmax over the split's share
         of the row's filled slots. ``S == 1``: the normalised output; else the split's running
-        max, sum and unnormalised output go to the partial buffers for :func:`_attn_combine`."""
+        max, sum and unnormalised output go to the partial buffers for ``_attn_combine_kernel``."""
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
