@@ -142,10 +142,11 @@ class QerlSession(KedroSession):
     """``KedroSession`` whose default runner is :class:`LoopRunner` (a plain ``SequentialRunner``,
     which is what ``kedro run`` passes when no ``--runner`` is given, is upgraded to it; it runs
     loop-free pipelines exactly like the sequential runner). Under ``torchrun`` it first joins the
-    process group."""
+    process group, and after a successful run leaves the group it joined."""
 
     def run(self, *args: Any, runner: AbstractRunner | None = None, **kwargs: Any) -> dict[str, Any]:
-        dist.init_from_env()
+        joined_before = dist.initialized()
+        opened = dist.init_from_env() and not joined_before
         if runner is None or type(runner) is SequentialRunner:
             runner = LoopRunner(is_async=getattr(runner, "_is_async", False))
         elif not isinstance(runner, LoopRunner):
@@ -155,4 +156,7 @@ class QerlSession(KedroSession):
 
                 raise QerlConfigError("--runner", f"{type(runner).__name__} cannot run the RL loop of qerl_train",
                                       "leave --runner out (the project's LoopRunner is the default)")
-        return super().run(*args, runner=runner, **kwargs)
+        result = super().run(*args, runner=runner, **kwargs)
+        if opened:
+            dist.close()
+        return result

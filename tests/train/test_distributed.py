@@ -93,6 +93,7 @@ def _worker(model_dir: str, out: Path, rank: int, world: int) -> None:
                 report[name] = {"field": err.field, "message": str(err)}
     if rank == 0:
         (out / "report.json").write_text(json.dumps(report, default=float))
+    dist.close()  # what a script that drives train() under torchrun ends with
 
 
 def _torchrun(nproc: int, model_dir: Path, out: Path) -> subprocess.Popen:
@@ -111,8 +112,10 @@ def _one_rank(model_dir: Path, out: Path) -> None:
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
     try:
         _worker(str(model_dir), out, 0, 1)
+        assert not tdist.is_initialized()  # the worker's dist.close() left the group
     finally:
-        tdist.destroy_process_group()
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +260,24 @@ def test_without_a_process_group_every_helper_is_the_identity() -> None:
     dist.check_world(1, "cuda:1")  # one process: any step size and device are fine
     assert not dist.init_from_env() or "WORLD_SIZE" in os.environ
     assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
+
+def test_close_waits_for_the_ranks_then_leaves_the_group_and_is_a_no_op_without_one() -> None:
+    import torch.distributed as tdist
+
+    from qerl.train import distributed as dist
+
+    dist.close()  # no group: nothing to leave
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.initialized() and dist.world_size() == 1
+        dist.close()
+        assert not dist.initialized() and dist.world_size() == 1
+        dist.close(wait=False)  # again: a no-op
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
 
 
 if __name__ == "__main__":  # a torchrun worker
