@@ -55,7 +55,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     train)
       timeout 60 python3 benchmarks/fp4_matmul.py --train --json "$OUT/fp4_train.json" ;;
     sampling)
-      timeout 60 python3 benchmarks/sampling.py --rows 1,64,128 --json "$OUT/sampling.json" ;;
+      timeout 120 python3 benchmarks/sampling.py --rows 1,64,128,1024 --json "$OUT/sampling.json" ;;
     rollout7b64)
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
         --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora \

@@ -3,10 +3,12 @@ parts, at the LM-head width of Qwen2.5 (152,064), replayed as CUDA graphs.
 
     python benchmarks/sampling.py [--rows 1,64,128] [--json sampling.json]
 
-Rows are batch sizes; columns: ``sample_tokens`` per mode (greedy, full, top_p=0.95) and the parts
-of the top-p path (the sort on float32 keys vs on the bf16 logits the LM head returns, softmax, the
-log-prob + entropy of :func:`qerl.rl.logprobs.token_logprobs_and_entropy`). Prints a table, writes
-JSON.
+Rows are batch sizes; columns: ``sample_tokens`` per mode (greedy, full, top_p=0.95: the Triton
+kernel, ``kernels.sample``), the same with the torch reference (``torch_*``,
+:func:`sample_tokens_torch`), and parts of the torch top-p path (the sort on the bf16 logits,
+softmax, the log-prob + entropy of :func:`qerl.rl.logprobs.token_logprobs_and_entropy`). Also
+checks that the kernel's tokens match the reference's (``mismatch_*``: the share that differ,
+float32 rounding at a CDF boundary). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from qerl.rl.logprobs import token_logprobs_and_entropy  # noqa: E402
-from qerl.rollout.fast.sampling import sample_tokens  # noqa: E402
+from qerl.rollout.fast import kernels as K  # noqa: E402
+from qerl.rollout.fast.sampling import sample_tokens_torch  # noqa: E402
 
 VOCAB = 152064
 
@@ -53,9 +56,13 @@ def row(b: int) -> dict:
     u = torch.rand(b, device="cuda", generator=gen)
     temp, top_p = torch.ones(1, device="cuda"), torch.full((1,), 0.95, device="cuda")
     tok = torch.zeros(b, 1, dtype=torch.long, device="cuda")
-    cells = {f"sample_{m}": graph_us(lambda m=m: sample_tokens(logits, u, temp, top_p, m))
-             for m in ("greedy", "full", "top_p")}
-    cells["sort_f32"] = graph_us(lambda: torch.sort(logits.float(), -1, descending=True))
+    modes = ("greedy", "full", "top_p")
+    cells = {f"sample_{m}": graph_us(lambda m=m: K.sample(logits, u, temp, top_p, m)) for m in modes}
+    cells |= {f"torch_{m}": graph_us(lambda m=m: sample_tokens_torch(logits, u, temp, top_p, m))
+              for m in modes}
+    for m in modes:
+        got, ref = K.sample(logits, u, temp, top_p, m)[0], sample_tokens_torch(logits, u, temp, top_p, m)[0]
+        cells[f"mismatch_{m}"] = float((got != ref).float().mean())
     cells["sort_bf16"] = graph_us(lambda: torch.sort(logits, stable=True, dim=-1, descending=True))
     cells["softmax"] = graph_us(lambda: torch.softmax(logits.float(), -1))
     cells["logprob_entropy"] = graph_us(
@@ -79,7 +86,8 @@ def main() -> None:
     print("| B | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for r in out["rows"]:
-        print(f"| {r['B']} | " + " | ".join(f"{r[k]:.0f}" for k in keys) + " |")
+        print(f"| {r['B']} | " + " | ".join(f"{r[k]:.3f}" if k.startswith("mismatch") else f"{r[k]:.0f}"
+                                            for k in keys) + " |")
 
 
 if __name__ == "__main__":

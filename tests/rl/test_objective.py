@@ -174,6 +174,11 @@ def test_token_logprobs_and_entropy_matches_reference():
         logp, ent = token_logprobs_and_entropy(logits, tokens, 0.7, chunk_size=chunk)
         torch.testing.assert_close(logp.double(), ref.gather(-1, tokens[..., None])[..., 0])
         torch.testing.assert_close(ent.double(), -(ref.exp() * ref).sum(-1))
+    # tokens masked with -inf logits carry no mass and add nothing to the entropy (not NaN)
+    masked = torch.cat([logits, torch.full((3, 5, 4), float("-inf"))], -1)
+    logp, ent = token_logprobs_and_entropy(masked, tokens, 0.7)
+    torch.testing.assert_close(ent.double(), -(ref.exp() * ref).sum(-1))
+    torch.testing.assert_close(logp.double(), ref.gather(-1, tokens[..., None])[..., 0])
 
 
 def test_missing_inputs_raise():

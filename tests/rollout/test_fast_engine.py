@@ -147,6 +147,42 @@ def test_top_p_restricts_to_nucleus() -> None:
     assert torch.equal(g, logits.argmax(-1))
 
 
+def test_sampling_is_the_inverse_cdf_of_the_kept_distribution_in_vocabulary_order() -> None:
+    """A grid of uniforms lands on each token as often as its renormalised probability says; the
+    nucleus keeps tied logits together (the tie at its edge is kept whole, not cut by token id)."""
+    from qerl.rollout.fast.sampling import nucleus_mask, sample_tokens_torch
+
+    x = torch.tensor([[2.0, 0.0, 1.0, 1.0, -1.0, 1.0, 0.5]])
+    p = torch.softmax(x, -1)
+    top_p = float(p[0, 0]) + 1e-3  # the top token alone is short of it: the next mass is the 3-way tie
+    keep = nucleus_mask(p, x, torch.tensor([top_p]))
+    assert keep.tolist() == [[True, False, True, True, False, True, False]]
+    n = 20000
+    u = (torch.arange(n) + 0.5) / n
+    rows = x.expand(n, -1)
+    for mode, kept in (("full", torch.ones(7, dtype=torch.bool)), ("top_p", keep[0])):
+        tok, lp, _ = sample_tokens_torch(rows, u, torch.tensor([1.0]), torch.tensor([top_p]), mode)
+        want = p[0] * kept / (p[0] * kept).sum()
+        counts = torch.bincount(tok, minlength=7)
+        assert (counts - want * n).abs().max() <= 1, (mode, counts)
+        assert torch.all(tok[1:] >= tok[:-1])  # vocabulary order: increasing u, increasing id
+        torch.testing.assert_close(lp, torch.log_softmax(x, -1)[0, tok])  # not renormalised
+
+
+def test_sampling_kernel_is_used_only_after_it_agrees_with_the_torch_reference(monkeypatch) -> None:
+    from qerl.rollout.fast import sampling
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(sampling, "_KERNEL_OK", {})
+    monkeypatch.setattr(sampling.K, "sample", lambda x, u, t, p, mode: (x.argmin(-1),) + sampling.sample_tokens_torch(x, u, t, p, mode)[1:])
+    with pytest.warns(UserWarning, match="sampling kernel failed its check"):
+        assert not sampling._kernel_ok(cpu)
+    assert not sampling._kernel_ok(cpu)  # decided once a device: no second warning
+    monkeypatch.setattr(sampling, "_KERNEL_OK", {})
+    monkeypatch.setattr(sampling.K, "sample", sampling.sample_tokens_torch)
+    assert sampling._kernel_ok(cpu)
+
+
 def test_engine_releases_its_kv_cache_unless_asked_to_keep_it() -> None:
     model = _model("qwen2")
     sp = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_token_ids=(), pad_token_id=0)

@@ -479,7 +479,7 @@ def test_fused_old_logprobs_equal_a_separate_recompute(make_policy, prompts_tabl
         lora0, _ = _lora_and_base(policy)
         recomputed = []
 
-        def counted(policy_, rows, *a, only=None, **k):
+        def counted(policy_, rows, *a, only=None, recomputed=recomputed, **k):
             recomputed.append(len(rows) if only is None else len(only))
             return real(policy_, rows, *a, only=only, **k)
 

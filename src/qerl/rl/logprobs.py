@@ -58,7 +58,8 @@ def token_logprobs_and_entropy(
         z = flat_logits[start:start + step].float() / temperature
         logp_all = torch.log_softmax(z, dim=-1)
         logp_parts.append(logp_all.gather(-1, flat_tokens[start:start + step]).squeeze(-1))
-        entropy_parts.append(-(logp_all.exp() * logp_all).sum(-1))
+        p = logp_all.exp()
+        entropy_parts.append(-(p * torch.where(p > 0, logp_all, 0.0)).sum(-1))  # -inf logits: p log p = 0
     if not logp_parts:  # N * T == 0
         empty = logits.new_zeros((n, t), dtype=torch.float32)
         return empty, empty.clone()
