@@ -10,7 +10,9 @@ Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts
 ``hf_bf16`` (transformers generate), ``hf_nf4`` (bitsandbytes), ``fast_bf16`` (our engine, cuBLAS),
 ``fast_nvfp4`` / ``fast_mxfp4`` (our engine, 4-bit GEMMs by the backend ``qerl.kernels`` resolves
 to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
-``fast_nvfp4_lora_seq`` (LoRA shrinks not overlapped with the base GEMM). Per cell: tokens/s
+``fast_nvfp4_lora_seq`` (LoRA shrinks not overlapped with the base GEMM), ``fast_{fmt}_lora_rsvS``
+(humming's GEMMs of the LoRA groups on S fewer multiprocessors, so the side stream's LoRA GEMMs run
+beside them: ``FastEngine(lora_reserve_sms=S)``; any S). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -57,7 +59,8 @@ ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1
         "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
 COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
            "fast_mxfp4_lora"]
-EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq"]
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_rsv8", "fast_nvfp4_lora_rsv16",
+                 "fast_nvfp4_lora_rsv24"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 GiB = 1 << 30
@@ -211,9 +214,9 @@ def run_hf(model, B: int, N: int, vocab: int) -> dict:
 ENGINE_KW: dict = {}  # engine options every fast column gets (--attention-splits)
 
 
-def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True) -> dict:
+def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True, **kw) -> dict:
     eng = FastEngine(lora_overlap=lora_overlap, keep_state=True,  # warm-up's graph reused
-                     **ENGINE_KW)
+                     **(ENGINE_KW | kw))
     sp = SamplingParams(n=1, temperature=1.0, top_p=0.95, max_new_tokens=N, eos_token_ids=(),
                         pad_token_id=0)
     ps = prompts(B, vocab)
@@ -329,6 +332,10 @@ def with_lora(model, row, B, N, V, record, cols, fmt):
     if fmt == "nvfp4" and "fast_nvfp4_lora_seq" in cols:
         record("fast_nvfp4_lora_seq", lambda: run_fast(pm, B, N, V, lora_overlap=False), pm,
                lora_r=32)
+    for col in cols:
+        if col.startswith(f"fast_{fmt}_lora_rsv"):
+            sms = int(col.rsplit("rsv", 1)[1])
+            record(col, lambda: run_fast(pm, B, N, V, lora_reserve_sms=sms), pm, lora_r=32)
     model = pm.unload()
     gc.collect()
     torch.cuda.empty_cache()
