@@ -50,7 +50,7 @@ METRIC_KEYS = [
     "train/clip_ratio_low", "train/clip_ratio_high", "train/loss", "train/grad_norm", "train/lr", "noise/sigma",
     "mismatch/logprob_gap_mean", "mismatch/logprob_gap_max", "mismatch/kl", "mismatch/is_weight_mean",
     "mismatch/is_weight_max", "mismatch/is_clipped_frac", "train/kl_to_base", "time/generate", "time/score",
-    "time/update", "rollout/tokens_per_s", "memory/peak_gib",
+    "time/update", "rollout/tokens_per_s", "memory/peak_gib", "memory/alloc_retries",
 ]
 
 
@@ -578,6 +578,16 @@ def test_recompute_makes_nan_rollout_logprobs_harmless(make_policy, prompts_tabl
     state = _state(policy, tmp_path)
     m = update_step(policy, state, _nan_old_logprobs(_scored(policy, prompts_table)), _rl(), _rcfg())
     assert m["train/skipped_nonfinite"] == 0 and math.isfinite(m["train/loss"])
+
+
+def test_alloc_retries_read_the_cuda_allocator_and_are_zero_on_cpu(monkeypatch) -> None:
+    from qerl.train.metrics import alloc_retries
+
+    assert alloc_retries(torch.device("cpu")) == 0
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 3})
+    assert alloc_retries(torch.device("cuda", 0)) == 3
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})  # no allocation yet
+    assert alloc_retries(torch.device("cuda", 0)) == 0
 
 
 def test_console_line_shows_the_step_time_split_and_skips_missing_values() -> None:

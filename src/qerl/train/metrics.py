@@ -109,7 +109,8 @@ def step_row(scored: pd.DataFrame, update: dict[str, float], update_seconds: flo
     whole = global_view(scored)
     row = {**rollout_metrics(whole), **reward_metrics(whole)}
     row.update(update)
-    row.update(dist.all_max({"time/update": update_seconds, "memory/peak_gib": peak_memory_gib(device)}))
+    row.update(dist.all_max({"time/update": update_seconds, "memory/peak_gib": peak_memory_gib(device),
+                             "memory/alloc_retries": float(alloc_retries(device))}))
     row["time/step"] = row["time/generate"] + row["time/score"] + row["time/update"]
     return row
 
@@ -134,6 +135,16 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def alloc_retries(device: torch.device) -> int:
+    """Times the CUDA caching allocator found no free block, released its cache and retried since
+    the process started (0 off CUDA). Growth from step to step means the memory is nearly full and
+    the update pays for synchronising frees: lower ``rl.micro_batch_tokens`` (or
+    ``rl.memory_budget_gib``)."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _duration(seconds: float) -> str:
