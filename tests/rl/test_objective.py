@@ -174,9 +174,13 @@ def test_token_logprobs_and_entropy_matches_reference():
         logp, ent = token_logprobs_and_entropy(logits, tokens, 0.7, chunk_size=chunk)
         torch.testing.assert_close(logp.double(), ref.gather(-1, tokens[..., None])[..., 0])
         torch.testing.assert_close(ent.double(), -(ref.exp() * ref).sum(-1))
-    # tokens masked with -inf logits carry no mass and add nothing to the entropy (not NaN)
+    # tokens masked with -inf logits carry no mass and add nothing to the entropy (not NaN; the
+    # rollout engines' use, without autograd), NaN logits stay NaN
     masked = torch.cat([logits, torch.full((3, 5, 4), float("-inf"))], -1)
-    logp, ent = token_logprobs_and_entropy(masked, tokens, 0.7)
+    with torch.no_grad():
+        logp, ent = token_logprobs_and_entropy(masked, tokens, 0.7)
+        nan_ent = token_logprobs_and_entropy(torch.full((1, 1, 3), float("nan")), tokens[:1, :1] % 3)[1]
+    assert torch.isnan(nan_ent).all()
     torch.testing.assert_close(ent.double(), -(ref.exp() * ref).sum(-1))
     torch.testing.assert_close(logp.double(), ref.gather(-1, tokens[..., None])[..., 0])
 

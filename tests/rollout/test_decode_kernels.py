@@ -229,3 +229,22 @@ print("compiled")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["greedy", "full", "top_p"])
+def test_sample_kernel_non_finite_rows_give_nan_and_a_valid_token(mode) -> None:
+    """A row of -inf logits, or one with a NaN, gets a NaN log-prob and entropy (what the torch
+    reference gives, and what the trainer's non-finite guards look for) and token 0, never an
+    out-of-range id that the next step's embedding would read; the finite rows are unaffected."""
+    from qerl.rollout.fast.sampling import sample_tokens_torch
+
+    x = torch.randn(3, 2500, device=DEV) * 2
+    x[0] = float("-inf")
+    x[1, 1234] = float("nan")
+    u = torch.tensor([0.3, 0.6, 0.9], device=DEV)
+    t, p = torch.tensor([0.9], device=DEV), torch.tensor([0.8], device=DEV)
+    tok, lp, ent = K.sample(x, u, t, p, mode)
+    rtok, rlp, rent = sample_tokens_torch(x, u, t, p, mode)
+    assert tok[:2].tolist() == [0, 0] and torch.isnan(lp[:2]).all() and torch.isnan(ent[:2]).all()
+    assert torch.isnan(rlp[:2]).all() and torch.isnan(rent[:2]).all()
+    assert int(tok[2]) == int(rtok[2]) and torch.allclose(lp[2], rlp[2], atol=2e-5)

@@ -177,10 +177,11 @@ def test_sampling_kernel_is_used_only_after_it_agrees_with_the_torch_reference(m
     monkeypatch.setattr(sampling.K, "sample", lambda x, u, t, p, mode: (x.argmin(-1),) + sampling.sample_tokens_torch(x, u, t, p, mode)[1:])
     with pytest.warns(UserWarning, match="sampling kernel failed its check"):
         assert not sampling._kernel_ok(cpu)
-    assert not sampling._kernel_ok(cpu)  # decided once a device: no second warning
+    assert not sampling._kernel_ok(cpu)  # decided once a device and dtype: no second warning
     monkeypatch.setattr(sampling, "_KERNEL_OK", {})
     monkeypatch.setattr(sampling.K, "sample", sampling.sample_tokens_torch)
-    assert sampling._kernel_ok(cpu)
+    assert sampling._kernel_ok(cpu) and sampling._kernel_ok(cpu, torch.float16)
+    assert set(sampling._KERNEL_OK) == {(cpu, torch.bfloat16), (cpu, torch.float16)}
 
 
 def test_engine_releases_its_kv_cache_unless_asked_to_keep_it() -> None:
@@ -405,7 +406,8 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, reserve) -> N
     sp = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_new_tokens=20, eos_token_ids=(), pad_token_id=0)
     out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["cuda_graph"], "decode step not captured"
-    assert sampling._KERNEL_OK[torch.device("cuda", torch.cuda.current_device())], "sampling kernel fell back"
+    assert sampling._KERNEL_OK[torch.device("cuda", torch.cuda.current_device()), torch.bfloat16], \
+        "sampling kernel fell back"
     err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
     assert err.mean() < 0.05, err.mean()
 

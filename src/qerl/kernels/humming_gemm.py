@@ -110,8 +110,9 @@ class HummingFp4:
         """The tuning config (a JSON string humming caches kernels by) for ``m`` rows: the tuned
         one whose interval ``(previous tuned M, tuned M]`` holds ``m``, else humming's heuristic
         choice for ``m``. One config per ``m``, so only kernels that run get compiled.
-        ``reserve_sms``: the persistent grid leaves that many multiprocessors free (its
-        ``num_sms``; the compiled kernel is the same), for work on another stream to run beside it."""
+        ``reserve_sms``: the persistent grid leaves at least that many multiprocessors free (its
+        ``num_sms``, at most the GPU's count minus the reserve; the compiled kernel is the same),
+        for work on another stream to run beside it."""
         hit = self._tuning.get((m, reserve_sms))
         if hit is None:
             tuned = [t for t in sorted(self._tuned) if t >= m]
@@ -123,7 +124,7 @@ class HummingFp4:
                 cfg = get_heuristics_config(self.layer_config(), shape_m=m, device=self.device)
             if reserve_sms:
                 sms = _sm_count(self.device)
-                cfg = {**cfg, "num_sms": max(1, min(int(cfg.get("num_sms") or sms), sms) - reserve_sms)}
+                cfg = {**cfg, "num_sms": max(1, min(int(cfg.get("num_sms") or sms), sms - reserve_sms))}
             hit = self._tuning[m, reserve_sms] = config_string(cfg)
         return hit
 

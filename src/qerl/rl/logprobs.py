@@ -59,7 +59,10 @@ def token_logprobs_and_entropy(
         logp_all = torch.log_softmax(z, dim=-1)
         logp_parts.append(logp_all.gather(-1, flat_tokens[start:start + step]).squeeze(-1))
         p = logp_all.exp()
-        entropy_parts.append(-(p * torch.where(p > 0, logp_all, 0.0)).sum(-1))  # -inf logits: p log p = 0
+        if not logp_all.requires_grad:  # -inf logits (masked tokens): p log p = 0, not 0 * -inf = NaN
+            logp_all = torch.where(p > 0, logp_all, 0.0)  # (NaN logits stay NaN)
+        entropy_parts.append(-(p * logp_all).sum(-1))  # under autograd (the trainer's full-vocabulary
+        # LM head) the plain product: the guard would keep one more [tokens, V] tensor for backward
     if not logp_parts:  # N * T == 0
         empty = logits.new_zeros((n, t), dtype=torch.float32)
         return empty, empty.clone()

@@ -279,9 +279,10 @@ if HAS_TRITON:
         base = row.to(tl.int64) * sx
         t = tl.load(t_ptr)
         inv_t = 1.0 / t  # the later passes' exponents (the statistics and the log-prob divide)
-        mv = tl.full((BLOCK,), float("-inf"), tl.float32)
-        sv = tl.zeros((BLOCK,), tl.float32)
-        wv = tl.zeros((BLOCK,), tl.float32)
+        mv = tl.full((BLOCK,), float("-inf"), tl.float32)  # per lane: running max of z,
+        sv = tl.zeros((BLOCK,), tl.float32)  # sum of exp(z - mv),
+        wv = tl.zeros((BLOCK,), tl.float32)  # sum of exp(z - mv) * (z - mv) (the entropy's, no cancellation)
+        nan = tl.zeros((BLOCK,), tl.int32)  # NaN seen
         best = tl.full((BLOCK,), float("-inf"), tl.float32)
         bidx = tl.zeros((BLOCK,), tl.int32)
         kmin = tl.full((BLOCK,), 2147483647, tl.int64)
@@ -295,11 +296,13 @@ if HAS_TRITON:
                 z = x
             else:
                 z = x / t
+            nan = tl.maximum(nan, (z != z).to(tl.int32))
             nm = tl.maximum(mv, z)
-            alpha = tl.where(nm == float("-inf"), 0.0, tl.exp(mv - nm))
+            shift = tl.where(mv == float("-inf"), 0.0, mv - nm)  # <= 0; 0 for a lane with nothing yet
+            alpha = tl.exp(shift)
             e = tl.where(z > float("-inf"), tl.exp(z - nm), 0.0)
+            wv = alpha * (wv + sv * shift) + e * tl.where(e > 0, z - nm, 0.0)
             sv = sv * alpha + e
-            wv = wv * alpha + e * tl.where(e > 0, z, 0.0)
             mv = nm
             if MODE == 0:
                 up = z > best
@@ -310,9 +313,11 @@ if HAS_TRITON:
                 kmin = tl.minimum(kmin, tl.where(msk, key, 2147483647))
                 kmax = tl.maximum(kmax, tl.where(msk, key, -2147483647))
         m = tl.max(mv, 0)
-        rescale = tl.where(mv == float("-inf"), 0.0, tl.exp(mv - m))
+        shift = tl.where(mv == float("-inf"), 0.0, mv - m)
+        rescale = tl.where(mv == float("-inf"), 0.0, tl.exp(shift))
         s = tl.sum(sv * rescale, 0)
-        w = tl.sum(wv * rescale, 0)
+        w = tl.sum((wv + sv * shift) * rescale, 0)  # sum of exp(z - m) * (z - m)
+        has_nan = tl.max(nan, 0) > 0
         if MODE == 0:
             top = tl.max(best, 0)
             tok = tl.min(tl.where(best == top, bidx, 2147483647), 0)
@@ -359,15 +364,22 @@ if HAS_TRITON:
                         tok = first
                     last = tl.maximum(last, tl.max(tl.where(e > 0, offs, -1), 0))
                     c += tl.sum(e, 0)
-            tok = tl.where(tok < 0, last, tok)  # rounding put u * mass past the summed mass
+            tok = tl.where(tok < 0, tl.maximum(last, 0), tok)  # rounding put u * mass past the sum
+            # (no token with mass at all: a row of -inf or NaN logits gets token 0 and a NaN log-prob)
         if MODE == 0:
             zt = tl.load(x_ptr + base + tok).to(tl.float32)
         else:
             zt = tl.load(x_ptr + base + tok).to(tl.float32) / t
-        lse = m + tl.log(s)
+        ls = tl.log(s)
+        lp = zt - m - ls
+        ent = ls - w / s
+        if has_nan:  # NaN logits surface as NaN, as in the torch reference (the trainer's guards see them)
+            tok = tok * 0
+            lp = float("nan")
+            ent = float("nan")
         tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(lp_ptr + row, zt - lse)
-        tl.store(ent_ptr + row, lse - w / s)
+        tl.store(lp_ptr + row, lp)
+        tl.store(ent_ptr + row, ent)
 
 
 def _epi_args(e: Epilogue | None, like: torch.Tensor) -> tuple:

@@ -22,7 +22,7 @@ from qerl.rollout.fast import kernels as K
 
 __all__ = ["nucleus_mask", "sample_tokens", "sample_tokens_torch"]
 
-_KERNEL_OK: dict[torch.device, bool] = {}
+_KERNEL_OK: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
 def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tensor,
@@ -33,7 +33,7 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tens
     in [0, 1); ``temperature`` and ``top_p`` are one-element float32 tensors (graph-capture
     friendly). On CUDA the Triton kernel, else :func:`sample_tokens_torch`.
     """
-    if logits.is_cuda and K.HAS_TRITON and _kernel_ok(logits.device):
+    if logits.is_cuda and K.HAS_TRITON and _kernel_ok(logits.device, logits.dtype):
         return K.sample(logits, u, temperature, top_p, mode)
     return sample_tokens_torch(logits, u, temperature, top_p, mode)
 
@@ -73,13 +73,14 @@ def sample_tokens_torch(logits: torch.Tensor, u: torch.Tensor, temperature: torc
     return tok, lp.squeeze(1), ent.squeeze(1)
 
 
-def _kernel_ok(device: torch.device) -> bool:
-    """Once per device: the kernel compiles and agrees with the torch reference on a random
-    problem in every mode (else a warning, and the torch path from then on)."""
-    if device not in _KERNEL_OK:
+def _kernel_ok(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Once per device and logits dtype: the kernel compiles and agrees with the torch reference
+    on a random problem in every mode (else a warning, and the torch path from then on)."""
+    key = (device, dtype)
+    if key not in _KERNEL_OK:
         try:
             g = torch.Generator(device=device).manual_seed(0)
-            logits = (torch.randn(8, 3000, device=device, generator=g) * 3).to(torch.bfloat16)
+            logits = (torch.randn(8, 3000, device=device, generator=g) * 3).to(dtype)
             u = torch.rand(8, device=device, generator=g)
             t, p = (torch.tensor([v], device=device) for v in (0.8, 0.9))
             for mode in ("greedy", "full", "top_p"):
@@ -88,9 +89,9 @@ def _kernel_ok(device: torch.device) -> bool:
                 if not (int((~same).sum()) <= 1 and torch.allclose(got[1][same], ref[1][same], atol=1e-3)
                         and torch.allclose(got[2], ref[2], atol=1e-3)):
                     raise RuntimeError(f"{mode}: tokens {got[0].tolist()} vs {ref[0].tolist()}")
-            _KERNEL_OK[device] = True
+            _KERNEL_OK[key] = True
         except Exception as e:  # noqa: BLE001 - pragma: no cover - depends on the GPU stack
-            warnings.warn(f"fast engine: the Triton sampling kernel failed its check ({e!r}); "
-                          "sampling with torch ops", stacklevel=3)
-            _KERNEL_OK[device] = False
-    return _KERNEL_OK[device]
+            warnings.warn(f"fast engine: the Triton sampling kernel failed its check for {dtype} logits "
+                          f"({e!r}); sampling with torch ops", stacklevel=3)
+            _KERNEL_OK[key] = False
+    return _KERNEL_OK[key]
