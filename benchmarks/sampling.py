@@ -4,7 +4,7 @@ parts, at the LM-head width of Qwen2.5 (152,064), replayed as CUDA graphs.
     python benchmarks/sampling.py [--rows 1,64,128] [--json sampling.json]
 
 Rows are batch sizes; columns: ``sample_tokens`` per mode (greedy, full, top_p=0.95: the Triton
-kernel, ``kernels.sample``), the same with the torch reference (``torch_*``,
+kernel, ``sampling.sample_kernel``), the same with the torch reference (``torch_*``,
 :func:`sample_tokens_torch`), and parts of the torch top-p path (the sort on the bf16 logits,
 softmax, the log-prob + entropy of :func:`qerl.rl.logprobs.token_logprobs_and_entropy`). Also
 checks that the kernel's tokens match the reference's (``mismatch_*``: the share that differ,
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from qerl.rl.logprobs import token_logprobs_and_entropy  # noqa: E402
-from qerl.rollout.fast import kernels as K  # noqa: E402
+from qerl.rollout.fast import sampling as S  # noqa: E402
 from qerl.rollout.fast.sampling import sample_tokens_torch  # noqa: E402
 
 VOCAB = 152064
@@ -57,11 +57,11 @@ def row(b: int) -> dict:
     temp, top_p = torch.ones(1, device="cuda"), torch.full((1,), 0.95, device="cuda")
     tok = torch.zeros(b, 1, dtype=torch.long, device="cuda")
     modes = ("greedy", "full", "top_p")
-    cells = {f"sample_{m}": graph_us(lambda m=m: K.sample(logits, u, temp, top_p, m)) for m in modes}
+    cells = {f"sample_{m}": graph_us(lambda m=m: S.sample_kernel(logits, u, temp, top_p, m)) for m in modes}
     cells |= {f"torch_{m}": graph_us(lambda m=m: sample_tokens_torch(logits, u, temp, top_p, m))
               for m in modes}
     for m in modes:
-        got, ref = K.sample(logits, u, temp, top_p, m)[0], sample_tokens_torch(logits, u, temp, top_p, m)[0]
+        got, ref = S.sample_kernel(logits, u, temp, top_p, m)[0], sample_tokens_torch(logits, u, temp, top_p, m)[0]
         cells[f"mismatch_{m}"] = float((got != ref).float().mean())
     cells["sort_bf16"] = graph_us(lambda: torch.sort(logits, stable=True, dim=-1, descending=True))
     cells["softmax"] = graph_us(lambda: torch.softmax(logits.float(), -1))

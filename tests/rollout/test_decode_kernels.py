@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 K = pytest.importorskip("qerl.rollout.fast.kernels")
+S = pytest.importorskip("qerl.rollout.fast.sampling")
 if not K.HAS_TRITON:
     pytest.skip("needs Triton", allow_module_level=True)
 if torch.cuda.is_available():  # float32 dots run as tf32 there: bf16 only
@@ -194,7 +195,7 @@ def test_sample_kernel_matches_the_torch_reference(dt, kind, v, mode) -> None:
     for temp, top_p in ((1.0, 0.9), (0.7, 0.5), (1.3, 1.0)):
         t = torch.tensor([temp], device=DEV)
         p = torch.tensor([top_p], device=DEV)
-        tok, lp, ent = K.sample(logits, u, t, p, mode)
+        tok, lp, ent = S.sample_kernel(logits, u, t, p, mode)
         rtok, _, rent = sample_tokens_torch(logits, u, t, p, mode)
         assert tok.dtype == torch.long and tok.shape == (b,)
         for i in torch.nonzero(tok != rtok).flatten().tolist():
@@ -216,12 +217,12 @@ def test_sample_kernel_compiles_for_hopper() -> None:
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qerl.rollout.fast import kernels as K
+from qerl.rollout.fast import sampling as S
 sig = {"x_ptr": "*bf16", "sx": "i32", "u_ptr": "*fp32", "t_ptr": "*fp32", "p_ptr": "*fp32", "tok_ptr": "*i64",
        "lp_ptr": "*fp32", "ent_ptr": "*fp32", "V": "i32", "MODE": "constexpr", "KEY_BITS": "constexpr",
        "BLOCK": "constexpr"}
 for mode in (0, 1, 2):
-    src = ASTSource(fn=K._sample_kernel, signature=sig, constexprs={"MODE": mode, "KEY_BITS": 16, "BLOCK": 2048})
+    src = ASTSource(fn=S._sample_kernel, signature=sig, constexprs={"MODE": mode, "KEY_BITS": 16, "BLOCK": 2048})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
     assert "_sample_kernel" in ptx, mode
 print("compiled")
@@ -243,7 +244,7 @@ def test_sample_kernel_non_finite_rows_give_nan_and_a_valid_token(mode) -> None:
     x[1, 1234] = float("nan")
     u = torch.tensor([0.3, 0.6, 0.9], device=DEV)
     t, p = torch.tensor([0.9], device=DEV), torch.tensor([0.8], device=DEV)
-    tok, lp, ent = K.sample(x, u, t, p, mode)
+    tok, lp, ent = S.sample_kernel(x, u, t, p, mode)
     rtok, rlp, rent = sample_tokens_torch(x, u, t, p, mode)
     assert tok[:2].tolist() == [0, 0] and torch.isnan(lp[:2]).all() and torch.isnan(ent[:2]).all()
     assert torch.isnan(rlp[:2]).all() and torch.isnan(rent[:2]).all()

@@ -174,12 +174,12 @@ def test_sampling_kernel_is_used_only_after_it_agrees_with_the_torch_reference(m
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(sampling, "_KERNEL_OK", {})
-    monkeypatch.setattr(sampling.K, "sample", lambda x, u, t, p, mode: (x.argmin(-1),) + sampling.sample_tokens_torch(x, u, t, p, mode)[1:])
+    monkeypatch.setattr(sampling, "sample_kernel", lambda x, u, t, p, mode: (x.argmin(-1),) + sampling.sample_tokens_torch(x, u, t, p, mode)[1:])
     with pytest.warns(UserWarning, match="sampling kernel failed its check"):
         assert not sampling._kernel_ok(cpu)
     assert not sampling._kernel_ok(cpu)  # decided once a device and dtype: no second warning
     monkeypatch.setattr(sampling, "_KERNEL_OK", {})
-    monkeypatch.setattr(sampling.K, "sample", sampling.sample_tokens_torch)
+    monkeypatch.setattr(sampling, "sample_kernel", sampling.sample_tokens_torch)
     assert sampling._kernel_ok(cpu) and sampling._kernel_ok(cpu, torch.float16)
     assert set(sampling._KERNEL_OK) == {(cpu, torch.bfloat16), (cpu, torch.float16)}
 

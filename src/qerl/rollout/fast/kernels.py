@@ -9,9 +9,9 @@ base GEMM runs; here it is one more load per element) -- while doing their own w
 * :func:`qkv_rope`: epilogue of q/k/v, RoPE, K/V written into the static cache;
 * :func:`attention`: flash-decoding over the filled cache slots (split over the slots, and the
   splits merged by a second kernel, when rows x KV heads would leave multiprocessors idle);
-* :func:`silu_mul`: epilogue of gate/up, then ``silu(g) * u``;
-* :func:`sample`: the next token of each row from the LM head's logits, with its log-prob and the
-  entropy (greedy, temperature, or top-p without a sort).
+* :func:`silu_mul`: epilogue of gate/up, then ``silu(g) * u``.
+
+The sampling kernel is in :mod:`qerl.rollout.fast.sampling`, beside its torch reference.
 
 An :class:`Epilogue` names the raw output, the column offset of the member in its group and the
 group's vectors. Everything runs in the model dtype with float32 arithmetic inside a kernel and
@@ -34,7 +34,7 @@ except Exception:  # noqa: BLE001 - pragma: no cover - depends on the machine
     HAS_TRITON = False
 
 __all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "qkv_rope",
-           "sample", "silu_mul"]
+           "silu_mul"]
 
 
 def np2(x: int) -> int:
@@ -257,131 +257,6 @@ if HAS_TRITON:
         tl.store(act_ptr + rows[:, None].to(tl.int64) * NI + cols[None, :], act,
                  mask=rmask[:, None] & cm[None, :])
 
-    @triton.jit
-    def _logit_keys(x, KEY_BITS: tl.constexpr):
-        """Integer keys (int64) in the order of the logits ``x`` (as loaded: 16- or 32-bit floats),
-        from their bit patterns; -0 is keyed as +0, so equal logits get equal keys."""
-        if KEY_BITS == 16:
-            b = x.to(tl.int16, bitcast=True).to(tl.int32)
-            key = tl.where(b < 0, b ^ 0x7FFF, b)
-        else:
-            b = x.to(tl.int32, bitcast=True)
-            key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-        return tl.where(key == -1, 0, key).to(tl.int64)
-
-    @triton.jit
-    def _sample_kernel(x_ptr, sx, u_ptr, t_ptr, p_ptr, tok_ptr, lp_ptr, ent_ptr, V,
-                       MODE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
-        """One row of :func:`sample` (MODE 0 greedy, 1 full, 2 top-p): online softmax statistics
-        (and the arg-max, or the key range), the top-p threshold by bisection over the keys, then
-        the inverse-CDF scan in index order."""
-        row = tl.program_id(0)
-        base = row.to(tl.int64) * sx
-        t = tl.load(t_ptr)
-        inv_t = 1.0 / t  # the later passes' exponents (the statistics and the log-prob divide)
-        mv = tl.full((BLOCK,), float("-inf"), tl.float32)  # per lane: running max of z,
-        sv = tl.zeros((BLOCK,), tl.float32)  # sum of exp(z - mv),
-        wv = tl.zeros((BLOCK,), tl.float32)  # sum of exp(z - mv) * (z - mv) (the entropy's, no cancellation)
-        nan = tl.zeros((BLOCK,), tl.int32)  # NaN seen
-        best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        bidx = tl.zeros((BLOCK,), tl.int32)
-        kmin = tl.full((BLOCK,), 2147483647, tl.int64)
-        kmax = tl.full((BLOCK,), -2147483647, tl.int64)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            msk = offs < V
-            xr = tl.load(x_ptr + base + offs, mask=msk, other=float("-inf"))
-            x = xr.to(tl.float32)
-            if MODE == 0:
-                z = x
-            else:
-                z = x / t
-            nan = tl.maximum(nan, (z != z).to(tl.int32))
-            nm = tl.maximum(mv, z)
-            shift = tl.where(mv == float("-inf"), 0.0, mv - nm)  # <= 0; 0 for a lane with nothing yet
-            alpha = tl.exp(shift)
-            e = tl.where(z > float("-inf"), tl.exp(z - nm), 0.0)
-            wv = alpha * (wv + sv * shift) + e * tl.where(e > 0, z - nm, 0.0)
-            sv = sv * alpha + e
-            mv = nm
-            if MODE == 0:
-                up = z > best
-                best = tl.where(up, z, best)
-                bidx = tl.where(up, offs, bidx)
-            if MODE == 2:
-                key = _logit_keys(xr, KEY_BITS)
-                kmin = tl.minimum(kmin, tl.where(msk, key, 2147483647))
-                kmax = tl.maximum(kmax, tl.where(msk, key, -2147483647))
-        m = tl.max(mv, 0)
-        shift = tl.where(mv == float("-inf"), 0.0, mv - m)
-        rescale = tl.where(mv == float("-inf"), 0.0, tl.exp(shift))
-        s = tl.sum(sv * rescale, 0)
-        w = tl.sum((wv + sv * shift) * rescale, 0)  # sum of exp(z - m) * (z - m)
-        has_nan = tl.max(nan, 0) > 0
-        if MODE == 0:
-            top = tl.max(best, 0)
-            tok = tl.min(tl.where(best == top, bidx, 2147483647), 0)
-        else:
-            mass = s  # the kept mass (top-p: the nucleus'), what ``u`` is a fraction of
-            lo = tl.min(kmin, 0) - 1  # top-p: the tokens kept are those with key > lo
-            if MODE == 2:  # bisection: the smallest key whose strictly-greater mass is < top_p
-                hi = tl.max(kmax, 0)
-                target_mass = tl.load(p_ptr) * s
-                for _ in range(KEY_BITS + 1):
-                    if hi - lo > 1:
-                        mid = lo + (hi - lo) // 2
-                        acc = tl.zeros((BLOCK,), tl.float32)
-                        for start in range(0, V, BLOCK):
-                            offs = start + tl.arange(0, BLOCK)
-                            msk = offs < V
-                            xr = tl.load(x_ptr + base + offs, mask=msk, other=float("-inf"))
-                            e = tl.exp(xr.to(tl.float32) * inv_t - m)
-                            acc += tl.where(msk & (_logit_keys(xr, KEY_BITS) > mid), e, 0.0)
-                        above = tl.sum(acc, 0)
-                        if above < target_mass:
-                            hi = mid
-                        else:
-                            lo = mid
-                            mass = above
-            target = tl.load(u_ptr + row) * mass
-            c = tl.full([], 0.0, tl.float32)
-            tok = tl.full([], -1, tl.int32)  # -1: not found yet
-            last = tl.full([], -1, tl.int32)
-            for start in range(0, V, BLOCK):
-                if tok < 0:
-                    offs = start + tl.arange(0, BLOCK)
-                    msk = offs < V
-                    xr = tl.load(x_ptr + base + offs, mask=msk, other=float("-inf"))
-                    z = xr.to(tl.float32) * inv_t
-                    keep = msk & (z > float("-inf"))
-                    if MODE == 2:
-                        keep = keep & (_logit_keys(xr, KEY_BITS) > lo)
-                    e = tl.where(keep, tl.exp(z - m), 0.0)
-                    cs = tl.cumsum(e, 0)
-                    hit = ((c + cs) > target) & (e > 0)
-                    first = tl.min(tl.where(hit, offs, 2147483647), 0)
-                    if first < 2147483647:
-                        tok = first
-                    last = tl.maximum(last, tl.max(tl.where(e > 0, offs, -1), 0))
-                    c += tl.sum(e, 0)
-            tok = tl.where(tok < 0, tl.maximum(last, 0), tok)  # rounding put u * mass past the sum
-            # (no token with mass at all: a row of -inf or NaN logits gets token 0 and a NaN log-prob)
-        if MODE == 0:
-            zt = tl.load(x_ptr + base + tok).to(tl.float32)
-        else:
-            zt = tl.load(x_ptr + base + tok).to(tl.float32) / t
-        ls = tl.log(s)
-        lp = zt - m - ls
-        ent = ls - w / s
-        if has_nan:  # NaN logits surface as NaN, as in the torch reference (the trainer's guards see them)
-            tok = tok * 0
-            lp = float("nan")
-            ent = float("nan")
-        tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(lp_ptr + row, lp)
-        tl.store(ent_ptr + row, ent)
-
-
 def _epi_args(e: Epilogue | None, like: torch.Tensor) -> tuple:
     """(col_scale, bias, lora, lora stride) pointers or dummies."""
     if e is None:
@@ -461,30 +336,6 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.T
                                       DP=max(16, np2(d)), S=splits, SP=max(2, np2(splits)),
                                       num_warps=4)
     return out
-
-
-SAMPLE_MODES = {"greedy": 0, "full": 1, "top_p": 2}
-
-
-def sample(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`qerl.rollout.fast.sampling.sample_tokens` as one kernel a row: ``(token [B] int64,
-    log-prob [B], entropy [B])`` of ``logits [B, V]`` (16- or 32-bit floats, unit stride along V).
-
-    Reads the row once for the softmax statistics, once for the inverse-CDF scan (which stops at
-    the token) and, for ``top_p``, ``key bits + 1`` more times: a bisection over the logits'
-    order-preserving bit keys for the smallest key whose strictly-greater mass is below
-    ``top_p`` -- the nucleus without a sort (16 key bits for bf16/fp16 logits)."""
-    b, v = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    tok = torch.empty(b, dtype=torch.long, device=logits.device)
-    lp = torch.empty(b, dtype=torch.float32, device=logits.device)
-    ent = torch.empty_like(lp)
-    _sample_kernel[(b,)](logits, logits.stride(0), u, temperature, top_p, tok, lp, ent, v,
-                         MODE=SAMPLE_MODES[mode], KEY_BITS=16 if logits.element_size() == 2 else 32,
-                         BLOCK=2048, num_warps=8)
-    return tok, lp, ent
 
 
 def silu_mul(g: Epilogue, u: torch.Tensor) -> torch.Tensor:
