@@ -274,7 +274,7 @@ def test_close_waits_for_the_ranks_then_leaves_the_group_and_is_a_no_op_without_
         assert dist.initialized() and dist.world_size() == 1
         dist.close()
         assert not dist.initialized() and dist.world_size() == 1
-        dist.close(wait=False)  # again: a no-op
+        dist.close()  # again: a no-op
     finally:
         if tdist.is_initialized():
             tdist.destroy_process_group()

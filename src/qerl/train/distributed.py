@@ -83,17 +83,17 @@ def init_from_env() -> bool:
     return True
 
 
-def close(wait: bool = True) -> None:
-    """Leave the process group (a no-op without one); ``wait`` first waits for every rank, so no rank
-    tears its connections down while another still talks to it. The Kedro session calls it after a
-    successful run; a script that drives ``train`` under ``torchrun`` ends with it: a gloo group left to the interpreter's
-    exit can abort a rank ("terminate called without an active exception") after its peer has gone.
-    A failed run does not call it: leaving a group while the other ranks wait in a collective can
-    hang them, and ``torchrun`` stops them once the failed rank has exited."""
+def close() -> None:
+    """Wait for every rank, then leave the process group (a no-op without one), so no rank tears
+    its connections down while another still talks to it. The Kedro session calls it after a
+    successful run; a script that drives ``train`` under ``torchrun`` ends with it: a gloo group
+    left to the interpreter's exit can abort a rank ("terminate called without an active
+    exception") after its peer has gone. A failed run does not call it: leaving a group while the
+    other ranks wait in a collective can hang them, and ``torchrun`` stops them once the failed
+    rank has exited."""
     if not initialized():
         return
-    if wait:
-        dist.barrier()
+    dist.barrier()
     dist.destroy_process_group()
 
 

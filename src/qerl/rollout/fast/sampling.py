@@ -115,7 +115,7 @@ if HAS_TRITON:
     @triton.jit
     def _sample_kernel(x_ptr, sx, u_ptr, t_ptr, p_ptr, tok_ptr, lp_ptr, ent_ptr, V,
                        MODE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
-        """One row of :func:`sample` (MODE 0 greedy, 1 full, 2 top-p): online softmax statistics
+        """One row of :func:`sample_kernel` (MODE 0 greedy, 1 full, 2 top-p): online softmax statistics
         (and the arg-max, or the key range), the top-p threshold by bisection over the keys, then
         the inverse-CDF scan in index order."""
         row = tl.program_id(0)
@@ -229,7 +229,7 @@ SAMPLE_MODES = {"greedy": 0, "full": 1, "top_p": 2}
 
 
 def sample_kernel(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sample_tokens` as one Triton kernel a row: ``(token [B] int64,
     log-prob [B], entropy [B])`` of ``logits [B, V]`` (16- or 32-bit floats, unit stride along V).
 
