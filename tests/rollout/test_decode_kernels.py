@@ -184,7 +184,8 @@ def _near_a_boundary(x: torch.Tensor, u: float, temp: float, top_p: float, tok: 
 @pytest.mark.parametrize("kind,v", [("peaked", 3001), ("flat", 5000), ("ties", 2048), ("masked", 700),
                                     ("peaked", 50)])
 @pytest.mark.parametrize("mode", ["greedy", "full", "top_p"])
-def test_sample_kernel_matches_the_torch_reference(dt, kind, v, mode) -> None:
+@pytest.mark.parametrize("chunk", [64, 4096])  # many chunks a row (and a partial last one), or one
+def test_sample_kernel_matches_the_torch_reference(dt, kind, v, mode, chunk) -> None:
     """Same tokens as the torch reference, except where float32 rounding decides (checked in
     float64); log-probs and entropies of the drawn tokens to float32 precision."""
     from qerl.rollout.fast.sampling import sample_tokens_torch
@@ -195,7 +196,7 @@ def test_sample_kernel_matches_the_torch_reference(dt, kind, v, mode) -> None:
     for temp, top_p in ((1.0, 0.9), (0.7, 0.5), (1.3, 1.0)):
         t = torch.tensor([temp], device=DEV)
         p = torch.tensor([top_p], device=DEV)
-        tok, lp, ent = S.sample_kernel(logits, u, t, p, mode)
+        tok, lp, ent = S.sample_kernel(logits, u, t, p, mode, chunk=chunk)
         rtok, _, rent = sample_tokens_torch(logits, u, t, p, mode)
         assert tok.dtype == torch.long and tok.shape == (b,)
         for i in torch.nonzero(tok != rtok).flatten().tolist():
@@ -218,13 +219,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qerl.rollout.fast import sampling as S
-sig = {"x_ptr": "*bf16", "sx": "i32", "u_ptr": "*fp32", "t_ptr": "*fp32", "p_ptr": "*fp32", "tok_ptr": "*i64",
-       "lp_ptr": "*fp32", "ent_ptr": "*fp32", "V": "i32", "MODE": "constexpr", "KEY_BITS": "constexpr",
-       "BLOCK": "constexpr"}
-for mode in (0, 1, 2):
-    src = ASTSource(fn=S._sample_kernel, signature=sig, constexprs={"MODE": mode, "KEY_BITS": 16, "BLOCK": 2048})
+P = {"x_ptr": "*bf16", "sx": "i32", "u_ptr": "*fp32", "t_ptr": "*fp32", "p_ptr": "*fp32", "st_ptr": "*fp32",
+     "arg_ptr": "*fp32", "part_ptr": "*fp32", "lo_ptr": "*i64", "tok_ptr": "*i64", "lp_ptr": "*fp32",
+     "ent_ptr": "*fp32", "V": "i32", "B": "i32", "C": "i32"}
+def build(fn, **const):
+    names = fn.arg_names
+    sig = {a: ("constexpr" if a in const else P[a]) for a in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    assert "_sample_kernel" in ptx, mode
+    assert fn.__name__ in ptx, fn.__name__
+for mode in (0, 1, 2):
+    build(S._stats_kernel, MODE=mode, CHUNK=4096)
+    build(S._pick_kernel, MODE=mode, LEVELS=4, KEY_BITS=16, CHUNK=4096, CP2=64)
+for level in (0, 3):
+    build(S._nucleus_kernel, LEVEL=level, KEY_BITS=16, CHUNK=4096, CP2=64)
 print("compiled")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

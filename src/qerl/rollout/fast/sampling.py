@@ -113,110 +113,136 @@ if HAS_TRITON:
         return tl.where(key == -1, 0, key).to(tl.int64)
 
     @triton.jit
-    def _sample_kernel(x_ptr, sx, u_ptr, t_ptr, p_ptr, tok_ptr, lp_ptr, ent_ptr, V,
-                       MODE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
-        """One row of :func:`sample_kernel` (MODE 0 greedy, 1 full, 2 top-p): online softmax statistics
-        (and the arg-max, or the key range), the top-p threshold by bisection over the keys, then
-        the inverse-CDF scan in index order."""
+    def _scaled(xr, t_ptr, MODE: tl.constexpr):
+        """``z``: the logits as float32, over the temperature unless greedy (MODE 0)."""
+        if MODE == 0:
+            return xr.to(tl.float32)
+        return xr.to(tl.float32) / tl.load(t_ptr)
+
+    @triton.jit
+    def _row_stats(st_ptr, row, C, CP2: tl.constexpr):
+        """The row's softmax statistics from its chunks' (``[B, 4, C]``: max, sum of exp(z - max),
+        sum of exp(z - max) (z - max), NaN flag): ``(chunk index, chunk max, chunk weight
+        exp(m_c - m), m, s = sum exp(z - m), w = sum exp(z - m)(z - m), NaN seen)``."""
+        c = tl.arange(0, CP2)
+        ok = c < C
+        base = st_ptr + row.to(tl.int64) * 4 * C
+        mc = tl.load(base + c, mask=ok, other=float("-inf"))
+        sc = tl.load(base + C + c, mask=ok, other=0.0)
+        wc = tl.load(base + 2 * C + c, mask=ok, other=0.0)
+        nan = tl.max(tl.load(base + 3 * C + c, mask=ok, other=0.0), 0) > 0
+        m = tl.max(mc, 0)
+        live = mc > float("-inf")
+        d = tl.where(live, mc - m, 0.0)
+        scale = tl.where(live, tl.exp(d), 0.0)
+        return c, ok, scale, m, tl.sum(sc * scale, 0), tl.sum((wc + sc * d) * scale, 0), nan
+
+    @triton.jit
+    def _stats_kernel(x_ptr, sx, t_ptr, st_ptr, arg_ptr, V, C, MODE: tl.constexpr, CHUNK: tl.constexpr):
+        """Program (row, chunk): the chunk's max, sum of exp, entropy sum and NaN flag (and, greedy,
+        its first arg-max: value and index)."""
+        row, ch = tl.program_id(0), tl.program_id(1)
+        offs = ch * CHUNK + tl.arange(0, CHUNK)
+        xr = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=offs < V, other=float("-inf"))
+        z = _scaled(xr, t_ptr, MODE)
+        mc = tl.max(z, 0)
+        live = z > float("-inf")
+        d = tl.where(live, z - mc, 0.0)
+        e = tl.where(live, tl.exp(d), 0.0)
+        base = st_ptr + row.to(tl.int64) * 4 * C + ch
+        tl.store(base, mc)
+        tl.store(base + C, tl.sum(e, 0))
+        tl.store(base + 2 * C, tl.sum(e * d, 0))
+        tl.store(base + 3 * C, tl.max((z != z).to(tl.float32), 0))
+        if MODE == 0:
+            first = tl.min(tl.where(z == mc, offs, 2147483647), 0)
+            tl.store(arg_ptr + (row.to(tl.int64) * C + ch) * 2, mc)
+            tl.store(arg_ptr + (row.to(tl.int64) * C + ch) * 2 + 1, first.to(tl.float32))
+
+    @triton.jit
+    def _level_lo(part_ptr, lo_ptr, row, B, C, target, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr,
+                  CP2: tl.constexpr):
+        """The nucleus search's lower bound ``lo`` entering LEVEL (the kept keys are > lo; the answer
+        lies in (lo, lo + 16^(levels - LEVEL)]), and which threshold of the previous level it is
+        (``j``), from that level's masses summed over the chunks."""
+        lo = tl.full([], -(2 ** (KEY_BITS - 1)) - 1, tl.int64)
+        jstar = tl.full([], 0, tl.int32)
+        if LEVEL > 0:
+            c = tl.arange(0, CP2)
+            j = tl.arange(0, 16)
+            prev = part_ptr + ((LEVEL - 1) * B + row).to(tl.int64) * C * 16
+            masses = tl.sum(tl.load(prev + c[:, None] * 16 + j[None, :], mask=(c < C)[:, None], other=0.0), 0)
+            # masses[k]: the mass above lo_prev + k * step, not increasing in k; the last one still >= target
+            jstar = tl.sum(((masses >= target) & (j > 0)).to(tl.int32), 0)
+            step = tl.full([], 1, tl.int64) << (KEY_BITS - 4 * LEVEL)
+            lo = tl.load(lo_ptr + (LEVEL - 1) * B + row) + jstar.to(tl.int64) * step
+        return lo, jstar
+
+    @triton.jit
+    def _nucleus_kernel(x_ptr, sx, t_ptr, p_ptr, st_ptr, part_ptr, lo_ptr, V, B, C, LEVEL: tl.constexpr,
+                        KEY_BITS: tl.constexpr, CHUNK: tl.constexpr, CP2: tl.constexpr):
+        """Program (row, chunk), one level of the 16-ary search for the nucleus: the chunk's mass above
+        each of 16 thresholds ``lo + k * step`` of the level's interval (k = 0 is ``lo`` itself)."""
+        row, ch = tl.program_id(0), tl.program_id(1)
+        _, _, _, m, s, _, _ = _row_stats(st_ptr, row, C, CP2)
+        lo, _ = _level_lo(part_ptr, lo_ptr, row, B, C, tl.load(p_ptr) * s, LEVEL, KEY_BITS, CP2)
+        if ch == 0:
+            tl.store(lo_ptr + LEVEL * B + row, lo)
+        offs = ch * CHUNK + tl.arange(0, CHUNK)
+        xr = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=offs < V, other=float("-inf"))
+        z = _scaled(xr, t_ptr, 1)
+        e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
+        key = _logit_keys(xr, KEY_BITS)
+        step = tl.full([], 1, tl.int64) << (KEY_BITS - 4 * (LEVEL + 1))
+        j = tl.arange(0, 16)
+        acc = tl.zeros((16,), tl.float32)
+        for k in tl.static_range(16):
+            acc = tl.where(j == k, tl.sum(tl.where(key > lo + k * step, e, 0.0), 0), acc)
+        tl.store(part_ptr + ((LEVEL * B + row).to(tl.int64) * C + ch) * 16 + j, acc)
+
+    @triton.jit
+    def _pick_kernel(x_ptr, sx, u_ptr, t_ptr, p_ptr, st_ptr, arg_ptr, part_ptr, lo_ptr, tok_ptr, lp_ptr, ent_ptr,
+                     V, B, C, MODE: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr,
+                     CHUNK: tl.constexpr, CP2: tl.constexpr):
+        """Program (row): the token (greedy: the first arg-max; else the inverse CDF in vocabulary
+        order, first over the chunks' kept masses, then inside the chunk), its log-prob, the entropy."""
         row = tl.program_id(0)
-        base = row.to(tl.int64) * sx
-        t = tl.load(t_ptr)
-        inv_t = 1.0 / t  # the later passes' exponents (the statistics and the log-prob divide)
-        mv = tl.full((BLOCK,), float("-inf"), tl.float32)  # per lane: running max of z,
-        sv = tl.zeros((BLOCK,), tl.float32)  # sum of exp(z - mv),
-        wv = tl.zeros((BLOCK,), tl.float32)  # sum of exp(z - mv) * (z - mv) (the entropy's, no cancellation)
-        nan = tl.zeros((BLOCK,), tl.int32)  # NaN seen
-        best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        bidx = tl.zeros((BLOCK,), tl.int32)
-        kmin = tl.full((BLOCK,), 2147483647, tl.int64)
-        kmax = tl.full((BLOCK,), -2147483647, tl.int64)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            msk = offs < V
-            xr = tl.load(x_ptr + base + offs, mask=msk, other=float("-inf"))
-            x = xr.to(tl.float32)
-            if MODE == 0:
-                z = x
-            else:
-                z = x / t
-            nan = tl.maximum(nan, (z != z).to(tl.int32))
-            nm = tl.maximum(mv, z)
-            shift = tl.where(mv == float("-inf"), 0.0, mv - nm)  # <= 0; 0 for a lane with nothing yet
-            alpha = tl.exp(shift)
-            e = tl.where(z > float("-inf"), tl.exp(z - nm), 0.0)
-            wv = alpha * (wv + sv * shift) + e * tl.where(e > 0, z - nm, 0.0)
-            sv = sv * alpha + e
-            mv = nm
-            if MODE == 0:
-                up = z > best
-                best = tl.where(up, z, best)
-                bidx = tl.where(up, offs, bidx)
+        c, ok, scale, m, s, w, nan = _row_stats(st_ptr, row, C, CP2)
+        if MODE == 0:
+            arg = arg_ptr + row.to(tl.int64) * C * 2
+            best = tl.load(arg + c * 2, mask=ok, other=float("-inf"))
+            idx = tl.load(arg + c * 2 + 1, mask=ok, other=3.0e38)
+            tokf = tl.min(tl.where(best == tl.max(best, 0), idx, 3.0e38), 0)
+            tok = tl.where(tokf < V, tokf, 0.0).to(tl.int32)  # (NaN logits: no arg-max)
+        else:
+            lo = tl.full([], -(2 ** (KEY_BITS - 1)) - 1, tl.int64)
+            cm = tl.load(st_ptr + row.to(tl.int64) * 4 * C + C + c, mask=ok, other=0.0) * scale
+            if MODE == 2:  # the last level's masses above the final lo, chunk by chunk
+                lo, jstar = _level_lo(part_ptr, lo_ptr, row, B, C, tl.load(p_ptr) * s, LEVELS, KEY_BITS, CP2)
+                last = part_ptr + ((LEVELS - 1) * B + row).to(tl.int64) * C * 16
+                cm = tl.load(last + c * 16 + jstar, mask=ok, other=0.0)
+            target = tl.load(u_ptr + row) * tl.sum(cm, 0)
+            cum = tl.cumsum(cm, 0)
+            hit = (cum > target) & (cm > 0)
+            cstar = tl.min(tl.where(hit, c, CP2), 0)
+            cstar = tl.where(cstar == CP2, tl.max(tl.where(cm > 0, c, 0), 0), cstar)  # rounding: past the sum
+            target -= tl.sum(tl.where(c == cstar, cum - cm, 0.0), 0)
+            offs = cstar * CHUNK + tl.arange(0, CHUNK)
+            xr = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=offs < V, other=float("-inf"))
+            z = _scaled(xr, t_ptr, 1)
+            keep = z > float("-inf")
             if MODE == 2:
-                key = _logit_keys(xr, KEY_BITS)
-                kmin = tl.minimum(kmin, tl.where(msk, key, 2147483647))
-                kmax = tl.maximum(kmax, tl.where(msk, key, -2147483647))
-        m = tl.max(mv, 0)
-        shift = tl.where(mv == float("-inf"), 0.0, mv - m)
-        rescale = tl.where(mv == float("-inf"), 0.0, tl.exp(shift))
-        s = tl.sum(sv * rescale, 0)
-        w = tl.sum((wv + sv * shift) * rescale, 0)  # sum of exp(z - m) * (z - m)
-        has_nan = tl.max(nan, 0) > 0
-        if MODE == 0:
-            top = tl.max(best, 0)
-            tok = tl.min(tl.where(best == top, bidx, 2147483647), 0)
-        else:
-            mass = s  # the kept mass (top-p: the nucleus'), what ``u`` is a fraction of
-            lo = tl.min(kmin, 0) - 1  # top-p: the tokens kept are those with key > lo
-            if MODE == 2:  # bisection: the smallest key whose strictly-greater mass is < top_p
-                hi = tl.max(kmax, 0)
-                target_mass = tl.load(p_ptr) * s
-                for _ in range(KEY_BITS + 1):
-                    if hi - lo > 1:
-                        mid = lo + (hi - lo) // 2
-                        acc = tl.zeros((BLOCK,), tl.float32)
-                        for start in range(0, V, BLOCK):
-                            offs = start + tl.arange(0, BLOCK)
-                            msk = offs < V
-                            xr = tl.load(x_ptr + base + offs, mask=msk, other=float("-inf"))
-                            e = tl.exp(xr.to(tl.float32) * inv_t - m)
-                            acc += tl.where(msk & (_logit_keys(xr, KEY_BITS) > mid), e, 0.0)
-                        above = tl.sum(acc, 0)
-                        if above < target_mass:
-                            hi = mid
-                        else:
-                            lo = mid
-                            mass = above
-            target = tl.load(u_ptr + row) * mass
-            c = tl.full([], 0.0, tl.float32)
-            tok = tl.full([], -1, tl.int32)  # -1: not found yet
-            last = tl.full([], -1, tl.int32)
-            for start in range(0, V, BLOCK):
-                if tok < 0:
-                    offs = start + tl.arange(0, BLOCK)
-                    msk = offs < V
-                    xr = tl.load(x_ptr + base + offs, mask=msk, other=float("-inf"))
-                    z = xr.to(tl.float32) * inv_t
-                    keep = msk & (z > float("-inf"))
-                    if MODE == 2:
-                        keep = keep & (_logit_keys(xr, KEY_BITS) > lo)
-                    e = tl.where(keep, tl.exp(z - m), 0.0)
-                    cs = tl.cumsum(e, 0)
-                    hit = ((c + cs) > target) & (e > 0)
-                    first = tl.min(tl.where(hit, offs, 2147483647), 0)
-                    if first < 2147483647:
-                        tok = first
-                    last = tl.maximum(last, tl.max(tl.where(e > 0, offs, -1), 0))
-                    c += tl.sum(e, 0)
-            tok = tl.where(tok < 0, tl.maximum(last, 0), tok)  # rounding put u * mass past the sum
+                keep = keep & (_logit_keys(xr, KEY_BITS) > lo)
+            e = tl.where(keep, tl.exp(z - m), 0.0)
+            found = (tl.cumsum(e, 0) > target) & (e > 0)
+            tok = tl.min(tl.where(found, offs, 2147483647), 0)
+            tok = tl.where(tok == 2147483647, tl.max(tl.where(e > 0, offs, 0), 0), tok)
             # (no token with mass at all: a row of -inf or NaN logits gets token 0 and a NaN log-prob)
-        if MODE == 0:
-            zt = tl.load(x_ptr + base + tok).to(tl.float32)
-        else:
-            zt = tl.load(x_ptr + base + tok).to(tl.float32) / t
+        zt = _scaled(tl.load(x_ptr + row.to(tl.int64) * sx + tok), t_ptr, MODE)
         ls = tl.log(s)
         lp = zt - m - ls
         ent = ls - w / s
-        if has_nan:  # NaN logits surface as NaN, as in the torch reference (the trainer's guards see them)
+        if nan:  # NaN logits surface as NaN, as in the torch reference (the trainer's guards see them)
             tok = tok * 0
             lp = float("nan")
             ent = float("nan")
@@ -229,21 +255,40 @@ SAMPLE_MODES = {"greedy": 0, "full": 1, "top_p": 2}
 
 
 def sample_kernel(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`sample_tokens` as one Triton kernel a row: ``(token [B] int64,
-    log-prob [B], entropy [B])`` of ``logits [B, V]`` (16- or 32-bit floats, unit stride along V).
+                  mode: str, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` in Triton kernels over (row, vocabulary chunk) grids: ``(token [B] int64,
+    log-prob [B], entropy [B])`` of ``logits [B, V]`` (16- or 32-bit floats).
 
-    Reads the row once for the softmax statistics, once for the inverse-CDF scan (which stops at
-    the token) and, for ``top_p``, ``key bits + 1`` more times: a bisection over the logits'
-    order-preserving bit keys for the smallest key whose strictly-greater mass is below
-    ``top_p`` -- the nucleus without a sort (16 key bits for bf16/fp16 logits)."""
+    One pass over the logits for each chunk's softmax statistics; for ``top_p``, ``key bits / 4``
+    more (4 for bf16/fp16, 8 for float32): a 16-ary search over the logits' order-preserving bit
+    keys for the smallest key whose strictly-greater mass is below ``top_p`` (the nucleus without
+    a sort), each pass giving every chunk's mass above 16 thresholds; then one program a row picks
+    the chunk and reads only that chunk for the token. ``chunk``: logits a program reads (a power
+    of two, at least 64)."""
     b, v = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    tok = torch.empty(b, dtype=torch.long, device=logits.device)
-    lp = torch.empty(b, dtype=torch.float32, device=logits.device)
+    dev, mode_id = logits.device, SAMPLE_MODES[mode]
+    key_bits = 16 if logits.element_size() == 2 else 32
+    levels = key_bits // 4
+    n_chunks = triton.cdiv(v, chunk)
+    cp2 = max(16, triton.next_power_of_2(n_chunks))
+    st = torch.empty(b, 4, n_chunks, dtype=torch.float32, device=dev)
+    arg = torch.empty(b, n_chunks, 2, dtype=torch.float32, device=dev) if mode_id == 0 else st
+    part = torch.empty(levels, b, n_chunks, 16, dtype=torch.float32, device=dev) if mode_id == 2 else st
+    lo = torch.empty(levels, b, dtype=torch.long, device=dev) if mode_id == 2 else st
+    tok = torch.empty(b, dtype=torch.long, device=dev)
+    lp = torch.empty(b, dtype=torch.float32, device=dev)
     ent = torch.empty_like(lp)
-    _sample_kernel[(b,)](logits, logits.stride(0), u, temperature, top_p, tok, lp, ent, v,
-                         MODE=SAMPLE_MODES[mode], KEY_BITS=16 if logits.element_size() == 2 else 32,
-                         BLOCK=2048, num_warps=8)
+    sx = logits.stride(0)
+    _stats_kernel[(b, n_chunks)](logits, sx, temperature, st, arg, v, n_chunks, MODE=mode_id, CHUNK=chunk,
+                                 num_warps=8 if chunk >= 4096 else 4)
+    if mode_id == 2:
+        for level in range(levels):
+            _nucleus_kernel[(b, n_chunks)](logits, sx, temperature, top_p, st, part, lo, v, b, n_chunks,
+                                           LEVEL=level, KEY_BITS=key_bits, CHUNK=chunk, CP2=cp2,
+                                           num_warps=8 if chunk >= 4096 else 4)
+    _pick_kernel[(b,)](logits, sx, u, temperature, top_p, st, arg, part, lo, tok, lp, ent, v, b, n_chunks,
+                       MODE=mode_id, LEVELS=levels, KEY_BITS=key_bits, CHUNK=chunk, CP2=cp2,
+                       num_warps=8 if chunk >= 4096 else 4)
     return tok, lp, ent
