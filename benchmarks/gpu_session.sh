@@ -39,6 +39,9 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    samplertests)  # the sampling kernels against torch on the GPU, and the engine graph at real width
+      timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k sample \
+        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | tail -15 ;;
     singlecopy)  # the single-copy engine leaves nothing of a call behind (cuBLAS workspaces included)
       timeout 90 python3 -m pytest -v -p no:cacheprovider -rfE \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tail -30 ;;
@@ -84,6 +87,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --json "$OUT/rl_step_32b.json" ;;
     paper7b)  # issue #10 item 5: kedro run -e gpu_paper at the paper's batch on a random 7B (152k vocabulary);
       # a checkpoint every step, so calling it again (machine still warm) resumes where the time box stopped it
+      pkill -f "python3 -m [k]edro" && sleep 3  # a run a previous call's time box left behind
       QERL_PRESET_SIZE=paper QERL_PRESET_STEPS=${PAPER_STEPS:-2} timeout ${PAPER_TIMEOUT:-540} \
         bash benchmarks/gpu_preset_smoke.sh qwen2.5-7b "$OUT/paper7b" ;;
     rlstep72b)  # memory at 72B: budgets for an 80 GiB GPU
