@@ -63,10 +63,6 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
         --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora \
         --json "$OUT/rollout_7b64.json" ;;
-    lorareserve)  # humming's GEMMs of the LoRA groups on fewer SMs, so the side stream's LoRA runs beside them
-      timeout 200 python3 benchmarks/rollout_throughput.py --rows 7b-64,7b-1 --profile \
-        --columns fast_bf16,fast_nvfp4_lora,fast_nvfp4_lora_rsv8,fast_nvfp4_lora_rsv16,fast_nvfp4_lora_rsv24 \
-        --json "$OUT/rollout_reserve.json" ;;
     rollout7b1)
       timeout 90 python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
         --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora --json "$OUT/rollout_7b1.json" ;;

@@ -1,7 +1,7 @@
 """Rollout throughput on one GPU: transformers ``generate`` vs our fast engine, per weight format.
 
 Random-initialised Qwen2.5 architectures (real sizes, built directly on the GPU; no downloads),
-prompts of 128 random tokens, sampling T=1.0 top-p 0.95, a fixed number of new tokens (no EOS),
+prompts of 128 random tokens, sampling T=1.0 top-p 0.95 (``--top-p``), a fixed number of new tokens (no EOS),
 LoRA r=32 (alpha 64) on all linear layers for the ``_lora`` columns.
 
 Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts at batch 1),
@@ -10,9 +10,7 @@ Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts
 ``hf_bf16`` (transformers generate), ``hf_nf4`` (bitsandbytes), ``fast_bf16`` (our engine, cuBLAS),
 ``fast_nvfp4`` / ``fast_mxfp4`` (our engine, 4-bit GEMMs by the backend ``qerl.kernels`` resolves
 to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
-``fast_nvfp4_lora_seq`` (LoRA shrinks not overlapped with the base GEMM), ``fast_{fmt}_lora_rsvS``
-(humming's GEMMs of the LoRA groups on S fewer multiprocessors, so the side stream's LoRA GEMMs run
-beside them: ``FastEngine(lora_reserve_sms=S)``; any S). Per cell: tokens/s
+``fast_nvfp4_lora_seq`` (LoRA shrinks not overlapped with the base GEMM). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -59,10 +57,10 @@ ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1
         "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
 COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
            "fast_mxfp4_lora"]
-EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_rsv8", "fast_nvfp4_lora_rsv16",
-                 "fast_nvfp4_lora_rsv24"]
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
+TOP_P = [0.95]  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
 GiB = 1 << 30
 
 
@@ -190,7 +188,7 @@ def _timed(fn, warm_fn) -> tuple[dict, int]:
 def run_hf(model, B: int, N: int, vocab: int) -> dict:
     ids = torch.tensor(prompts(B, vocab), device="cuda")
     att = torch.ones_like(ids)
-    kw = dict(do_sample=True, temperature=1.0, top_p=0.95, top_k=0, max_new_tokens=N,
+    kw = dict(do_sample=True, temperature=1.0, top_p=TOP_P[0], top_k=0, max_new_tokens=N,
               min_new_tokens=N, pad_token_id=0)
 
     def warm():
@@ -217,7 +215,7 @@ ENGINE_KW: dict = {}  # engine options every fast column gets (--attention-split
 def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True, **kw) -> dict:
     eng = FastEngine(lora_overlap=lora_overlap, keep_state=True,  # warm-up's graph reused
                      **(ENGINE_KW | kw))
-    sp = SamplingParams(n=1, temperature=1.0, top_p=0.95, max_new_tokens=N, eos_token_ids=(),
+    sp = SamplingParams(n=1, temperature=1.0, top_p=TOP_P[0], max_new_tokens=N, eos_token_ids=(),
                         pad_token_id=0)
     ps = prompts(B, vocab)
     info = {}
@@ -332,10 +330,6 @@ def with_lora(model, row, B, N, V, record, cols, fmt):
     if fmt == "nvfp4" and "fast_nvfp4_lora_seq" in cols:
         record("fast_nvfp4_lora_seq", lambda: run_fast(pm, B, N, V, lora_overlap=False), pm,
                lora_r=32)
-    for col in cols:
-        if col.startswith(f"fast_{fmt}_lora_rsv"):
-            sms = int(col.rsplit("rsv", 1)[1])
-            record(col, lambda: run_fast(pm, B, N, V, lora_reserve_sms=sms), pm, lora_r=32)
     model = pm.unload()
     gc.collect()
     torch.cuda.empty_cache()
@@ -354,7 +348,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel-family time per decode step")
     ap.add_argument("--attention-splits", type=int, default=None,
                     help="FastEngine(attention_splits=...) for every fast column (default: automatic)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="nucleus of every column (1.0: none)")
     args = ap.parse_args()
+    TOP_P[0] = args.top_p
     if args.attention_splits is not None:
         ENGINE_KW["attention_splits"] = args.attention_splits
     global CHECK, PROFILE
@@ -371,7 +367,7 @@ def main() -> None:
     results = {"device": dev, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": "python " + " ".join(sys.argv), "copy_bw": bw, "matmul_flops": rate,
                "torch": torch.__version__, "transformers": transformers.__version__,
-               "prompt_len": PROMPT, "sampling": "T=1.0 top_p=0.95", "cells": []}
+               "prompt_len": PROMPT, "sampling": f"T=1.0 top_p={args.top_p}", "cells": []}
     try:
         import humming
 

@@ -77,24 +77,6 @@ def test_tuned_interval_choice() -> None:
     assert json.loads(g.tuning_for(64)) == {"t": 64}
 
 
-def test_reserved_multiprocessors_shrink_the_persistent_grid_only(monkeypatch) -> None:
-    """``reserve_sms`` caps humming's ``num_sms`` at the GPU's count minus the reserve (a config
-    whose own grid already leaves that many free keeps it); the rest of the config, and the
-    unreserved one, unchanged."""
-    monkeypatch.setattr(humming_gemm, "_sm_count", lambda device: 132)
-    g = object.__new__(humming_gemm.HummingFp4)
-    g._tuned = {1: {"t": 1}, 64: {"t": 64, "num_sms": 100}}
-    g._tuning = {}
-    g.device = torch.device("cpu")
-    assert json.loads(g.tuning_for(1, reserve_sms=16)) == {"t": 1, "num_sms": 116}
-    assert json.loads(g.tuning_for(64, reserve_sms=8)) == {"t": 64, "num_sms": 100}  # 32 free already
-    assert json.loads(g.tuning_for(64, reserve_sms=40)) == {"t": 64, "num_sms": 92}
-    assert json.loads(g.tuning_for(1, reserve_sms=200)) == {"t": 1, "num_sms": 1}
-    assert json.loads(g.tuning_for(64)) == {"t": 64, "num_sms": 100}
-    assert json.loads(g.tuning_for(1)) == {"t": 1}
-    assert set(g._tuning) == {(1, 16), (64, 8), (64, 40), (1, 200), (64, 0), (1, 0)}  # one string each, cached
-
-
 def test_compile_within_keeps_the_successes_done_by_the_deadline() -> None:
     import threading
     import time

@@ -45,10 +45,6 @@ def config_string(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True, default=plain)
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def humming_weight_config(fmt: str) -> dict:
     """humming's ``weight_config`` for our stored layout (compressed-tensors schema)."""
     spec = FORMATS[fmt]
@@ -98,7 +94,7 @@ class HummingFp4:
         from qerl.kernels import tuning
 
         self._tuned = tuning.lookup(fmt, self.n, self.k, dtype, self.device)
-        self._tuning: dict[tuple[int, int], str] = {}
+        self._tuning: dict[int, str] = {}
 
     # -- kernel choice ------------------------------------------------------------------------
 
@@ -106,14 +102,11 @@ class HummingFp4:
         """humming's ``LayerConfig`` of this GEMM."""
         return self.layer.humming_config
 
-    def tuning_for(self, m: int, reserve_sms: int = 0) -> str:
+    def tuning_for(self, m: int) -> str:
         """The tuning config (a JSON string humming caches kernels by) for ``m`` rows: the tuned
         one whose interval ``(previous tuned M, tuned M]`` holds ``m``, else humming's heuristic
-        choice for ``m``. One config per ``m``, so only kernels that run get compiled.
-        ``reserve_sms``: the persistent grid leaves at least that many multiprocessors free (its
-        ``num_sms``, at most the GPU's count minus the reserve; the compiled kernel is the same),
-        for work on another stream to run beside it."""
-        hit = self._tuning.get((m, reserve_sms))
+        choice for ``m``. One config per ``m``, so only kernels that run get compiled."""
+        hit = self._tuning.get(m)
         if hit is None:
             tuned = [t for t in sorted(self._tuned) if t >= m]
             if tuned:
@@ -122,18 +115,15 @@ class HummingFp4:
                 from humming.tune import get_heuristics_config
 
                 cfg = get_heuristics_config(self.layer_config(), shape_m=m, device=self.device)
-            if reserve_sms:
-                sms = _sm_count(self.device)
-                cfg = {**cfg, "num_sms": max(1, min(int(cfg.get("num_sms") or sms), sms - reserve_sms))}
-            hit = self._tuning[m, reserve_sms] = config_string(cfg)
+            hit = self._tuning[m] = config_string(cfg)
         return hit
 
     # -- running ------------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                 tuning: str | None = None, reserve_sms: int = 0) -> torch.Tensor:
+                 tuning: str | None = None) -> torch.Tensor:
         """``x [M, K]`` (contiguous, ``self.dtype``) -> ``[M, N]``; ``col_scale`` not applied."""
-        return self.layer(x, outputs=out, tuning_config=tuning or self.tuning_for(x.shape[0], reserve_sms))
+        return self.layer(x, outputs=out, tuning_config=tuning or self.tuning_for(x.shape[0]))
 
     def nbytes(self) -> int:
         """Bytes of humming's prepared tensors (what this GEMM keeps resident)."""

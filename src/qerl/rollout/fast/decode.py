@@ -7,10 +7,7 @@ sampling.
 
 LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` as two cuBLAS GEMMs into static
 buffers, on a side stream while the main stream runs the group's base GEMM; the consumer kernel
-adds ``lo`` in its epilogue (one load per element) after the streams join. humming's GEMMs are
-persistent kernels with a CTA on every multiprocessor, which leaves the side stream nothing to
-run on; ``State.lora_reserve_sms`` (``FastEngine(lora_reserve_sms=...)``) launches them on that
-many fewer.
+adds ``lo`` in its epilogue (one load per element) after the streams join.
 """
 
 from __future__ import annotations
@@ -62,10 +59,10 @@ def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.
             for o, y in zip(g.offsets, raws, strict=True)]
 
 
-def _raw(ctx: TorchContext, g: Group, x: torch.Tensor, reserve_sms: int = 0) -> list[torch.Tensor]:
+def _raw(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Tensor]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
     if gemm is not None:
-        return gemm.raw(x, reserve_sms)
+        return gemm.raw(x)
     outs = []  # no CUDA group GEMMs (CPU under the Triton interpreter): dequantized copies
     for m in g.members:
         if m.kind == "dense":
@@ -81,8 +78,7 @@ def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor
               rows: int) -> list[K.Epilogue]:
     """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel."""
     lo = _lora(st, kind, g, x)
-    reserve = st.lora_reserve_sms if lo is not None and st.side is not None else 0
-    epis = _epilogues(ctx, g, _raw(ctx, g, x, reserve), lo, rows)
+    epis = _epilogues(ctx, g, _raw(ctx, g, x), lo, rows)
     _join(st, lo)
     return epis
 

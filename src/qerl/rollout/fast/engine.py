@@ -60,9 +60,6 @@ class FastEngine:
         kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
         lora_overlap: run the LoRA GEMMs on a side stream (CUDA).
-        lora_reserve_sms: with ``lora_overlap``, humming's base GEMMs of the groups with LoRA
-            run on that many fewer multiprocessors (they are persistent kernels that otherwise
-            hold every one), so the side stream's LoRA GEMMs run beside them; 0 = all.
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
@@ -83,7 +80,7 @@ class FastEngine:
                  cache_multiple: int = 128, kv_budget_gib: float | None = None,
                  kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
                  keep_state: bool = False, single_copy: bool = False,
-                 attention_splits: int | None = None, lora_reserve_sms: int = 0) -> None:
+                 attention_splits: int | None = None) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
         if attention_splits is not None and (isinstance(attention_splits, bool)
@@ -91,9 +88,6 @@ class FastEngine:
                                              or not 1 <= attention_splits <= 64):
             raise ValueError(f"attention_splits must be None or an int in 1..64, got "
                              f"{attention_splits!r}")
-        if isinstance(lora_reserve_sms, bool) or not isinstance(lora_reserve_sms, int) \
-                or not 0 <= lora_reserve_sms <= 64:
-            raise ValueError(f"lora_reserve_sms must be an int in 0..64, got {lora_reserve_sms!r}")
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -108,7 +102,6 @@ class FastEngine:
         self.keep_state = keep_state
         self.single_copy = single_copy
         self.attention_splits = attention_splits
-        self.lora_reserve_sms = lora_reserve_sms
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -316,7 +309,7 @@ class FastEngine:
     def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
                    backend: str) -> State:
         st = self._state
-        key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_reserve_sms)
+        key = (plan.signature, backend, self._gemm_backend, self.attention_splits)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -324,8 +317,7 @@ class FastEngine:
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
         side = self._stream(plan.device, "lora") if self.lora_overlap else None
-        self._state = new_state(plan, key, rows, cap, T, mode, side, self.attention_splits,
-                                self.lora_reserve_sms)
+        self._state = new_state(plan, key, rows, cap, T, mode, side, self.attention_splits)
         return self._state
 
     def _stream(self, dev: torch.device, role: str) -> torch.cuda.Stream | None:

@@ -67,13 +67,12 @@ class GroupGemm:
             row += m.out_f
         return w
 
-    def raw(self, x: torch.Tensor, reserve_sms: int = 0) -> list[torch.Tensor]:
+    def raw(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x [M, K]`` -> the members' raw outputs ``[M, N_i]`` (views of one buffer when the
-        group runs as one GEMM). ``reserve_sms``: humming's persistent grid leaves that many
-        multiprocessors to the LoRA GEMMs on the side stream."""
+        group runs as one GEMM)."""
         g = self.group
         if self.uses_humming(x.shape[0]):
-            y = self.humming(x if x.is_contiguous() else x.contiguous(), reserve_sms=reserve_sms)
+            y = self.humming(x if x.is_contiguous() else x.contiguous())
             return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
         if g.all_fp4:
             y = F.linear(x, self._dequantized(g.members, x.device))

@@ -42,7 +42,6 @@ class State:
     lora_xa: dict = field(default_factory=dict)  # per group kind: flat [rows * R] shrink buffer
     lora_out: dict = field(default_factory=dict)  # per group kind: [rows, N] LoRA output
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
-    lora_reserve_sms: int = 0  # multiprocessors humming's GEMMs leave to the side stream's LoRA
     side: torch.cuda.Stream | None = None
     graph: object = None
 
@@ -73,12 +72,10 @@ def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]
 
 
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
-              side: torch.cuda.Stream | None, attn_splits: int | None = None,
-              lora_reserve_sms: int = 0) -> State:
+              side: torch.cuda.Stream | None, attn_splits: int | None = None) -> State:
     """Buffers for ``rows`` rows and ``cap`` KV slots; ``side``: the LoRA side stream (the
     engine's one stream: cuBLAS keeps a workspace per stream it has run on, for the process);
-    ``attn_splits``: the decode attention's splits (``None``: :func:`kernels.attention_splits`);
-    ``lora_reserve_sms``: multiprocessors humming's GEMMs leave to the side stream's LoRA."""
+    ``attn_splits``: the decode attention's splits (``None``: :func:`kernels.attention_splits`)."""
     dev, dt = plan.device, plan.dtype
     shape = (rows, plan.n_kv, cap, plan.head_dim)
 
@@ -99,7 +96,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         eos=torch.full((8,), -1, dtype=torch.long, device=dev), pad_id=z(1, dtype=torch.long),
         out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
         out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), lora_xa=xa, lora_out=lo,
-        attn_splits=attn_splits, lora_reserve_sms=lora_reserve_sms, side=side)
+        attn_splits=attn_splits, side=side)
 
 
 def reset_outputs(st: State, sp: SamplingParams, u: torch.Tensor, pad_rows: torch.Tensor) -> None:
