@@ -1,7 +1,7 @@
-"""Token sampling for the fast engine: one Triton kernel a row on CUDA (:func:`sample_kernel`,
-inside the decode step's CUDA graph), plain torch ops elsewhere (:func:`sample_tokens_torch`) --
-the reference the kernel is tested against, and what it falls back to when its first-use check
-fails.
+"""Token sampling for the fast engine: Triton kernels over (row, vocabulary chunk) grids on CUDA
+(:func:`sample_kernel`, inside the decode step's CUDA graph), plain torch ops elsewhere
+(:func:`sample_tokens_torch`) -- the reference the kernels are tested against, and what they fall
+back to when their first-use check fails.
 
 One uniform ``u`` per row and step (drawn by the caller from its generator) picks the token by
 inverse CDF in vocabulary order: the first token whose cumulative probability exceeds ``u`` times
