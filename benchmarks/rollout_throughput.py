@@ -60,7 +60,7 @@ COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4"
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
-TOP_P = [0.95]  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
+TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
 GiB = 1 << 30
 
 
@@ -188,7 +188,7 @@ def _timed(fn, warm_fn) -> tuple[dict, int]:
 def run_hf(model, B: int, N: int, vocab: int) -> dict:
     ids = torch.tensor(prompts(B, vocab), device="cuda")
     att = torch.ones_like(ids)
-    kw = dict(do_sample=True, temperature=1.0, top_p=TOP_P[0], top_k=0, max_new_tokens=N,
+    kw = dict(do_sample=True, temperature=1.0, top_p=TOP_P, top_k=0, max_new_tokens=N,
               min_new_tokens=N, pad_token_id=0)
 
     def warm():
@@ -212,10 +212,10 @@ def run_hf(model, B: int, N: int, vocab: int) -> dict:
 ENGINE_KW: dict = {}  # engine options every fast column gets (--attention-splits)
 
 
-def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True, **kw) -> dict:
+def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True) -> dict:
     eng = FastEngine(lora_overlap=lora_overlap, keep_state=True,  # warm-up's graph reused
-                     **(ENGINE_KW | kw))
-    sp = SamplingParams(n=1, temperature=1.0, top_p=TOP_P[0], max_new_tokens=N, eos_token_ids=(),
+                     **ENGINE_KW)
+    sp = SamplingParams(n=1, temperature=1.0, top_p=TOP_P, max_new_tokens=N, eos_token_ids=(),
                         pad_token_id=0)
     ps = prompts(B, vocab)
     info = {}
@@ -350,11 +350,10 @@ def main() -> None:
                     help="FastEngine(attention_splits=...) for every fast column (default: automatic)")
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus of every column (1.0: none)")
     args = ap.parse_args()
-    TOP_P[0] = args.top_p
     if args.attention_splits is not None:
         ENGINE_KW["attention_splits"] = args.attention_splits
-    global CHECK, PROFILE
-    CHECK, PROFILE = args.check, args.profile
+    global CHECK, PROFILE, TOP_P
+    CHECK, PROFILE, TOP_P = args.check, args.profile, args.top_p
     sys.path.insert(0, os.path.dirname(__file__))
     from fp4_matmul import copy_bandwidth, matmul_rate
 

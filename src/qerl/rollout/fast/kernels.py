@@ -55,12 +55,10 @@ class Epilogue:
     lora: torch.Tensor | None = None
 
 
-def _block_m(m: int) -> int:
-    """Rows a program of the RoPE and SiLU-mul kernels takes: 16 at any row count, so 64 rows make
-    four row blocks a head or column tile. With 64 (before) the 7B B=64 RoPE ran 32 programs,
-    15-20 us a call against 4 us at B=1 for 1/64 of the data (run 11's profile); the change is not
-    measured yet."""
-    return 16
+# Rows a program of the RoPE and SiLU-mul kernels takes, at any row count: with 64 rows a program
+# the 7B B=64 RoPE ran 32 programs on 132 SMs; with 16, RoPE + cache write went 453-576 -> 102-134 us
+# a step (docs/benchmarks.md, run 16).
+BLOCK_M = 16
 
 
 if HAS_TRITON:
@@ -292,7 +290,7 @@ def qkv_rope(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc
     raw outputs), rotate q and k, write k/v at cache slot ``slot``; returns q ``[M, Hq, D]``."""
     m = k.shape[0]
     qo = torch.empty((m, n_heads, head_dim), dtype=k.dtype, device=k.device)
-    bm = _block_m(m)
+    bm = BLOCK_M
     half = head_dim // 2
     raw = q.raw
     _qkv_rope_kernel[(triton.cdiv(m, bm), n_heads + n_kv)](
@@ -343,7 +341,7 @@ def silu_mul(g: Epilogue, u: torch.Tensor) -> torch.Tensor:
     raw output)."""
     m, inter = u.shape
     act = torch.empty((m, inter), dtype=u.dtype, device=u.device)
-    bm, bn = _block_m(m), 128
+    bm, bn = BLOCK_M, 128
     _silu_mul_kernel[(triton.cdiv(m, bm), triton.cdiv(inter, bn))](
         g.raw, u, g.raw.stride(0), u.stride(0), *_epi_args(g, u), act, m, inter, BM=bm, BN=bn,
         num_warps=4, **_flags(g))

@@ -122,8 +122,8 @@ if HAS_TRITON:
     @triton.jit
     def _row_stats(st_ptr, row, C, CP2: tl.constexpr):
         """The row's softmax statistics from its chunks' (``[B, 4, C]``: max, sum of exp(z - max),
-        sum of exp(z - max) (z - max), NaN flag): ``(chunk index, chunk max, chunk weight
-        exp(m_c - m), m, s = sum exp(z - m), w = sum exp(z - m)(z - m), NaN seen)``."""
+        sum of exp(z - max) (z - max), NaN flag): ``(chunk index, chunk in range, chunk mass
+        sum exp(z - m) over the chunk, m, s = sum exp(z - m), w = sum exp(z - m)(z - m), NaN seen)``."""
         c = tl.arange(0, CP2)
         ok = c < C
         base = st_ptr + row.to(tl.int64) * 4 * C
@@ -135,7 +135,8 @@ if HAS_TRITON:
         live = mc > float("-inf")
         d = tl.where(live, mc - m, 0.0)
         scale = tl.where(live, tl.exp(d), 0.0)
-        return c, ok, scale, m, tl.sum(sc * scale, 0), tl.sum((wc + sc * d) * scale, 0), nan
+        cm = sc * scale
+        return c, ok, cm, m, tl.sum(cm, 0), tl.sum((wc + sc * d) * scale, 0), nan
 
     @triton.jit
     def _stats_kernel(x_ptr, sx, t_ptr, st_ptr, arg_ptr, V, C, MODE: tl.constexpr, CHUNK: tl.constexpr):
@@ -207,7 +208,7 @@ if HAS_TRITON:
         """Program (row): the token (greedy: the first arg-max; else the inverse CDF in vocabulary
         order, first over the chunks' kept masses, then inside the chunk), its log-prob, the entropy."""
         row = tl.program_id(0)
-        c, ok, scale, m, s, w, nan = _row_stats(st_ptr, row, C, CP2)
+        c, ok, cm, m, s, w, nan = _row_stats(st_ptr, row, C, CP2)
         if MODE == 0:
             arg = arg_ptr + row.to(tl.int64) * C * 2
             best = tl.load(arg + c * 2, mask=ok, other=float("-inf"))
@@ -216,7 +217,6 @@ if HAS_TRITON:
             tok = tl.where(tokf < V, tokf, 0.0).to(tl.int32)  # (NaN logits: no arg-max)
         else:
             lo = tl.full([], -(2 ** (KEY_BITS - 1)) - 1, tl.int64)
-            cm = tl.load(st_ptr + row.to(tl.int64) * 4 * C + C + c, mask=ok, other=0.0) * scale
             if MODE == 2:  # the last level's masses above the final lo, chunk by chunk
                 lo, jstar = _level_lo(part_ptr, lo_ptr, row, B, C, tl.load(p_ptr) * s, LEVELS, KEY_BITS, CP2)
                 last = part_ptr + ((LEVELS - 1) * B + row).to(tl.int64) * C * 16
