@@ -42,6 +42,15 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     samplertests)  # the sampling kernels against torch on the GPU, and the engine graph at real width
       timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "sample or real_model_width" \
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | tail -15 ;;
+    loratests)  # the fused LoRA kernel against float32 on the GPU, and the engine's GPU tests that run it
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "lora" \
+        tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
+        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
+        tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
+        tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tail -25 ;;
+    tune64)  # humming's sampler at B=64 for the 7B gate/up and down GEMMs (their cached choice competes)
+      timeout ${TUNE_TIMEOUT:-170} python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --ms 64 --only gate_up,down \
+        --samples ${TUNE_SAMPLES:-16} --budget-s $(( ${TUNE_TIMEOUT:-170} - 30 )) --json "$OUT/tune_7b64.json" ;;
     singlecopy)  # the single-copy engine leaves nothing of a call behind (cuBLAS workspaces included)
       timeout 90 python3 -m pytest -v -p no:cacheprovider -rfE \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tail -30 ;;
@@ -61,11 +70,11 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 120 python3 benchmarks/sampling.py --rows 1,64,128,1024 --json "$OUT/sampling.json" ;;
     rollout7b64)
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
-        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora \
+        --columns ${COLS_7B64:-fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora} \
         --json "$OUT/rollout_7b64.json" ;;
     rollout7b1)
       timeout 90 python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
-        --columns fast_bf16,fast_nvfp4,fast_nvfp4_lora --json "$OUT/rollout_7b1.json" ;;
+        --columns ${COLS_7B1:-fast_bf16,fast_nvfp4,fast_nvfp4_lora} --json "$OUT/rollout_7b1.json" ;;
     rollout7b1long)  # B=1, 2048 new tokens: the decode attention split over the KV slots, and not
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k \
         --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_7b1long.json"
@@ -73,7 +82,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --columns fast_nvfp4_lora --json "$OUT/rollout_7b1long_nosplit.json" ;;
     rollout32b)
       timeout 120 python3 benchmarks/rollout_throughput.py --rows 32b-32 \
-        --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_32b32.json" ;;
+        --columns ${COLS_32B:-fast_bf16,fast_nvfp4_lora} --json "$OUT/rollout_32b32.json" ;;
     updatemem)  # activation bytes per token of the update, checkpointing on and off
       timeout 60 python3 benchmarks/update_memory.py --model 7b --format nvfp4 --rows 2,4 --json "$OUT/update_memory.json" ;;
     rlstep7b)  # the paper-like workload: 16 prompts x 8 samples, prompt 256, 1024 new tokens, 2 steps, 64 GiB

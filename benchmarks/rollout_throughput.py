@@ -10,7 +10,8 @@ Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts
 ``hf_bf16`` (transformers generate), ``hf_nf4`` (bitsandbytes), ``fast_bf16`` (our engine, cuBLAS),
 ``fast_nvfp4`` / ``fast_mxfp4`` (our engine, 4-bit GEMMs by the backend ``qerl.kernels`` resolves
 to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
-``fast_nvfp4_lora_seq`` (LoRA shrinks not overlapped with the base GEMM). Per cell: tokens/s
+``fast_nvfp4_lora_seq`` (LoRA not overlapped with the base GEMM), ``fast_nvfp4_lora_cublas`` (LoRA as
+two cuBLAS GEMMs a group instead of the fused kernel). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -57,7 +58,7 @@ ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1
         "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
 COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
            "fast_mxfp4_lora"]
-EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq"]
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_cublas"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
@@ -212,9 +213,8 @@ def run_hf(model, B: int, N: int, vocab: int) -> dict:
 ENGINE_KW: dict = {}  # engine options every fast column gets (--attention-splits)
 
 
-def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True) -> dict:
-    eng = FastEngine(lora_overlap=lora_overlap, keep_state=True,  # warm-up's graph reused
-                     **ENGINE_KW)
+def run_fast(model, B: int, N: int, vocab: int, **engine_kw) -> dict:
+    eng = FastEngine(keep_state=True, **{**ENGINE_KW, **engine_kw})  # warm-up's graph reused
     sp = SamplingParams(n=1, temperature=1.0, top_p=TOP_P, max_new_tokens=N, eos_token_ids=(),
                         pad_token_id=0)
     ps = prompts(B, vocab)
@@ -237,7 +237,7 @@ def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True) -> di
                 "ms_step": st["decode_s"] / max(1, st["decode_steps"]) * 1e3,
                 "prefill_ms": st["prefill_s"] * 1e3, "total_s": total, "new_tokens": n_new,
                 "cuda_graph": st["cuda_graph"], "backend": st["backend"],
-                "fp4_backend": st.get("fp4_backend")}
+                "fp4_backend": st.get("fp4_backend"), "lora_kernel": st.get("lora_kernel")}
 
     res, extra = _timed(run, warm)
     out = info.pop("out")
@@ -255,7 +255,7 @@ def run_fast(model, B: int, N: int, vocab: int, lora_overlap: bool = True) -> di
 
 CHECK = False
 PROFILE = False
-FAMILIES = [("humming", "humming"), ("qkv_rope", "rope+qkv epi"),
+FAMILIES = [("humming", "humming"), ("lora_kernel", "fused LoRA"), ("qkv_rope", "rope+qkv epi"),
             ("add_rmsnorm", "add+rmsnorm"), ("attn_decode", "attention"),
             ("silu_mul", "silu-mul"), ("fp4_dequant", "fp4 dequant"),
             ("gemm", "cuBLAS"), ("gemv", "cuBLAS"), ("xmma", "cuBLAS"), ("cutlass", "cuBLAS"),
@@ -329,6 +329,9 @@ def with_lora(model, row, B, N, V, record, cols, fmt):
         record(f"fast_{fmt}_lora", lambda: run_fast(pm, B, N, V), pm, lora_r=32)
     if fmt == "nvfp4" and "fast_nvfp4_lora_seq" in cols:
         record("fast_nvfp4_lora_seq", lambda: run_fast(pm, B, N, V, lora_overlap=False), pm,
+               lora_r=32)
+    if fmt == "nvfp4" and "fast_nvfp4_lora_cublas" in cols:
+        record("fast_nvfp4_lora_cublas", lambda: run_fast(pm, B, N, V, lora_kernel="cublas"), pm,
                lora_r=32)
     model = pm.unload()
     gc.collect()

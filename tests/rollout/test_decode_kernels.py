@@ -257,3 +257,80 @@ def test_sample_kernel_non_finite_rows_give_nan_and_a_valid_token(mode) -> None:
     assert tok[:2].tolist() == [0, 0] and torch.isnan(lp[:2]).all() and torch.isnan(ent[:2]).all()
     assert torch.isnan(rlp[:2]).all() and torch.isnan(rent[:2]).all()
     assert int(tok[2]) == int(rtok[2]) and torch.allclose(lp[2], rlp[2], atol=2e-5)
+
+
+# ------------------------------------------------------------------ the fused LoRA kernel
+
+L = pytest.importorskip("qerl.rollout.fast.lora")
+
+
+def _lora_problem(m: int, k: int, out_f: list[int], ranks: list[int], dt):
+    """x, a_cat, a block-diagonal b_full (the plan's layout) and the float32 reference."""
+    g = torch.Generator(device=DEV).manual_seed(m * 7 + k + sum(out_f))
+    x = torch.randn(m, k, device=DEV, generator=g).to(dt)
+    a = (torch.randn(sum(ranks), k, device=DEV, generator=g) * k ** -0.5).to(dt)
+    b = torch.zeros(sum(out_f), sum(ranks), device=DEV, dtype=dt)
+    ro = co = 0
+    for f, rk in zip(out_f, ranks, strict=True):
+        b[co:co + f, ro:ro + rk] = (torch.randn(f, rk, device=DEV, generator=g) * 0.3).to(dt)
+        ro, co = ro + rk, co + f
+    return x, a, b, (x.float() @ a.float().t()) @ b.float().t()
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m,k,out_f,ranks", [
+    (1, 3584, [3584, 512, 512], [32, 32, 32]),   # 7B q/k/v at B=1: tiles inside one member each
+    (64, 1300, [384, 128, 128], [8, 8, 8]),      # the most rows it takes
+    (5, 700, [200, 56], [4, 12]),                # a tile straddles two members: the whole rank
+    (3, 2500, [130], [16]),                      # one member, a partial last tile
+    (7, 640, [256, 256], [0, 16]),               # a member without adapters
+])
+def test_fused_lora_equals_two_gemms(dt, m, k, out_f, ranks) -> None:
+    x, a, b, ref = _lora_problem(m, k, out_f, ranks, dt)
+    lau = L.LoraLaunch(out_f, ranks, k, torch.device(DEV))
+    part = torch.full((lau.part_numel(m),), float("nan"), device=DEV)
+    cnt = torch.zeros(3, dtype=torch.int32, device=DEV)
+    out = torch.full((m, sum(out_f)), float("nan"), device=DEV, dtype=dt)
+    for _ in range(3):  # each launch must find the counters the previous one reset
+        L.fused_lora(x, a, b, out, part, cnt, lau)
+        assert cnt.tolist() == [0, 0, 0]
+        assert _rel(out, ref) < TOL[dt], _rel(out, ref)
+    assert _rel(out, L.lora_torch(x, a, b)) < TOL[dt]
+
+
+def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
+    x, a, b, _ = _lora_problem(L.FUSED_MAX_M + 1, 64, [32], [16], DTYPES[0])
+    lau = L.LoraLaunch([32], [16], 64, torch.device(DEV))
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        L.fused_lora(x, a, b, torch.empty(x.shape[0], 32, device=DEV, dtype=x.dtype),
+                     torch.empty(lau.part_numel(x.shape[0]), device=DEV),
+                     torch.zeros(3, dtype=torch.int32, device=DEV), lau)
+
+
+def test_fused_lora_kernel_compiles_for_hopper() -> None:
+    """PTX for sm_90 with the real compiler (no GPU needed): the spin-wait is an acquire load and
+    the done-count a release reduction after a block barrier."""
+    import subprocess
+    import sys
+
+    code = """
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qerl.rollout.fast import lora as L
+P = {"x_ptr": "*bf16", "sx": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32",
+     "lo_ptr": "*bf16", "slo": "i32", "cnt_ptr": "*i32", "r0_ptr": "*i32", "M": "i32", "K": "i32",
+     "R": "i32", "N": "i32", "K_PER": "i32", "SPLIT": "i32"}
+fn = L._lora_kernel
+for bm, br in ((16, 128), (64, 32)):
+    const = dict(BM=bm, BK=64, BR=br, RS=32, BN=128, DT=tl.bfloat16)
+    sig = {a: ("constexpr" if a in const else P[a]) for a in fn.arg_names}
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert "ld.global.gpu.acquire" in ptx and "red.global.gpu.release.add" in ptx, "no acquire/release"
+print("compiled")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

@@ -316,6 +316,8 @@ def test_bad_engine_options() -> None:
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="attention_splits"):
             FastEngine(attention_splits=bad)
+    with pytest.raises(ValueError, match="lora_kernel must be fused or cublas"):
+        FastEngine(lora_kernel="triton")
     with pytest.raises(ValueError, match="EOS"):
         FastEngine(backend="torch").generate(_model("qwen2"), PROMPTS, SamplingParams(
             n=1, greedy=True, max_new_tokens=2, eos_token_ids=tuple(range(9))))
@@ -323,17 +325,19 @@ def test_bad_engine_options() -> None:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
                     reason="CPU check of the Triton decode step, under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt,splits", [(None, 1), ("nvfp4", 1), ("nvfp4", 3)])
-def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits) -> None:
+@pytest.mark.parametrize("fmt,splits,lora_kernel", [(None, 1, "fused"), ("nvfp4", 1, "fused"),
+                                                     ("nvfp4", 3, "cublas")])
+def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits, lora_kernel) -> None:
     pytest.importorskip("triton")
     model = _model("qwen2", fmt=fmt, lora=True)
     sp = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, eos_token_ids=(),
                         pad_token_id=0)
     ref = FastEngine(backend="torch").generate(model, PROMPTS, sp,
                                                generator=torch.Generator().manual_seed(0))
-    eng = FastEngine(backend="triton", attention_splits=splits)
+    eng = FastEngine(backend="triton", attention_splits=splits, lora_kernel=lora_kernel)
     out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["backend"] == "triton"
+    assert eng.last_stats["lora_kernel"] == lora_kernel
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=1e-4)
 
@@ -404,6 +408,7 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits) -> None:
     assert eng.last_stats["cuda_graph"], "decode step not captured"
     assert sampling._KERNEL_OK[torch.device("cuda", torch.cuda.current_device()), torch.bfloat16], \
         "sampling kernel fell back"
+    assert eng.last_stats["lora_kernel"] == ("fused" if lora else "none")
     err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
     assert err.mean() < 0.05, err.mean()
 

@@ -5,9 +5,10 @@ write (q/k/v epilogue) -> attention -> o GEMM -> add-RMSNorm (o epilogue) -> gat
 SiLU-mul (gate/up epilogue) -> down GEMM. Then the final norm, the LM head (torch group path) and
 sampling.
 
-LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` as two cuBLAS GEMMs into static
-buffers, on a side stream while the main stream runs the group's base GEMM; the consumer kernel
-adds ``lo`` in its epilogue (one load per element) after the streams join.
+LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` into a static buffer, on a side
+stream while the main stream runs the group's base GEMM: one launch of the fused kernel
+(:mod:`qerl.rollout.fast.lora`, up to 64 rows) or two cuBLAS GEMMs; the consumer kernel adds ``lo``
+in its epilogue (one load per element) after the streams join.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from qerl.kernels.dequant import reserve_scratch
 from qerl.rollout.fast import kernels as K
+from qerl.rollout.fast.lora import fused_lora
 from qerl.rollout.fast.plan import Group, Plan
 from qerl.rollout.fast.sampling import sample_tokens
 from qerl.rollout.fast.state import State, record
@@ -34,13 +36,17 @@ def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | Non
     if not g.r_total:
         return None
     rows = x.shape[0]
-    xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
     lo = st.lora_out[kind]
     if st.side is not None:
         st.side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st.side) if st.side is not None else contextlib.nullcontext():
-        torch.mm(x, g.a_cat.t(), out=xa)
-        torch.mm(xa, g.b_full.t(), out=lo)
+        if st.lora_cnt is not None:
+            fused_lora(x, g.a_cat, g.b_full, lo, st.lora_part[kind], st.lora_cnt,
+                       st.lora_launch[kind])
+        else:
+            xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
+            torch.mm(x, g.a_cat.t(), out=xa)
+            torch.mm(xa, g.b_full.t(), out=lo)
     return lo
 
 

@@ -36,6 +36,7 @@ from qerl.rollout.base import RolloutBatch, SamplingParams
 from qerl.rollout.fast import decode
 from qerl.rollout.fast.gemm import GroupGemm
 from qerl.rollout.fast.kernels import HAS_TRITON
+from qerl.rollout.fast.lora import FUSED_MAX_M, fused_lora_ok
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
 from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
@@ -59,7 +60,11 @@ class FastEngine:
         cache_multiple: KV capacity rounded up to this, so graphs are reused across calls.
         kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
-        lora_overlap: run the LoRA GEMMs on a side stream (CUDA).
+        lora_overlap: run the LoRA on a side stream (CUDA).
+        lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
+            :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
+            most 64 rows a wave, the kernel's first-use check passed); ``"cublas"``: two cuBLAS
+            GEMMs a group always.
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
@@ -80,9 +85,11 @@ class FastEngine:
                  cache_multiple: int = 128, kv_budget_gib: float | None = None,
                  kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
                  keep_state: bool = False, single_copy: bool = False,
-                 attention_splits: int | None = None) -> None:
+                 attention_splits: int | None = None, lora_kernel: str = "fused") -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+        if lora_kernel not in ("fused", "cublas"):
+            raise ValueError(f"lora_kernel must be fused or cublas, got {lora_kernel!r}")
         if attention_splits is not None and (isinstance(attention_splits, bool)
                                              or not isinstance(attention_splits, int)
                                              or not 1 <= attention_splits <= 64):
@@ -102,6 +109,7 @@ class FastEngine:
         self.keep_state = keep_state
         self.single_copy = single_copy
         self.attention_splits = attention_splits
+        self.lora_kernel = lora_kernel
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -233,7 +241,9 @@ class FastEngine:
                            "humming_groups": humming, "parked_gib": self._parking.nbytes() / GiB,
                            "rows": N,
                            "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
-                           "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None}
+                           "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None,
+                           "lora_kernel": "fused" if st.lora_cnt is not None
+                           else ("cublas" if st.lora_out else "none")}
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
             completion_ids=cat[0], completion_mask=cat[1], logprobs=cat[2], truncated=~done,
@@ -309,7 +319,7 @@ class FastEngine:
     def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
                    backend: str) -> State:
         st = self._state
-        key = (plan.signature, backend, self._gemm_backend, self.attention_splits)
+        key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -317,7 +327,9 @@ class FastEngine:
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
         side = self._stream(plan.device, "lora") if self.lora_overlap else None
-        self._state = new_state(plan, key, rows, cap, T, mode, side, self.attention_splits)
+        fused = (self.lora_kernel == "fused" and backend == "triton" and rows <= FUSED_MAX_M
+                 and any(g.r_total for g in plan.groups()) and fused_lora_ok(plan.device, plan.dtype))
+        self._state = new_state(plan, key, rows, cap, T, mode, side, self.attention_splits, fused)
         return self._state
 
     def _stream(self, dev: torch.device, role: str) -> torch.cuda.Stream | None:

@@ -41,6 +41,9 @@ class State:
     out_ent: torch.Tensor
     lora_xa: dict = field(default_factory=dict)  # per group kind: flat [rows * R] shrink buffer
     lora_out: dict = field(default_factory=dict)  # per group kind: [rows, N] LoRA output
+    lora_launch: dict = field(default_factory=dict)  # per group kind: fused kernel's LoraLaunch
+    lora_part: dict = field(default_factory=dict)  # per group kind: its float32 partials
+    lora_cnt: torch.Tensor | None = None  # the fused kernel's counters (None: cuBLAS LoRA)
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
     side: torch.cuda.Stream | None = None
     graph: object = None
@@ -53,7 +56,8 @@ class State:
             getattr(self, f).copy_(src)
 
     def nbytes(self) -> int:
-        ts = self.k + self.v + list(self.lora_xa.values()) + list(self.lora_out.values())
+        ts = self.k + self.v + list(self.lora_xa.values()) + list(self.lora_out.values()) \
+            + list(self.lora_part.values())
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -71,11 +75,33 @@ def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]
     return xa, out
 
 
+def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict, torch.Tensor] | None:
+    """The fused LoRA kernel's launches and partials per group kind, and its counters, when it
+    takes this many rows and every layer's group of a kind has the same shape (else ``None``)."""
+    from qerl.rollout.fast.lora import FUSED_MAX_M, LoraLaunch
+
+    if rows > FUSED_MAX_M:
+        return None
+    launch, part = {}, {}
+    for kind in ("qkv", "o", "gu", "down"):
+        shapes = {(tuple(m.out_f for m in g.members), tuple(m.lora_r for m in g.members), g.in_f)
+                  for g in (getattr(lay, kind) for lay in plan.layers)}
+        if len(shapes) != 1:
+            return None
+        out_f, ranks, in_f = shapes.pop()
+        if sum(ranks):
+            launch[kind] = LoraLaunch(list(out_f), list(ranks), in_f, dev)
+            part[kind] = torch.zeros(launch[kind].part_numel(rows), device=dev)
+    return launch, part, torch.zeros(3, dtype=torch.int32, device=dev)
+
+
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
-              side: torch.cuda.Stream | None, attn_splits: int | None = None) -> State:
+              side: torch.cuda.Stream | None, attn_splits: int | None = None,
+              fused_lora: bool = False) -> State:
     """Buffers for ``rows`` rows and ``cap`` KV slots; ``side``: the LoRA side stream (the
     engine's one stream: cuBLAS keeps a workspace per stream it has run on, for the process);
-    ``attn_splits``: the decode attention's splits (``None``: :func:`kernels.attention_splits`)."""
+    ``attn_splits``: the decode attention's splits (``None``: :func:`kernels.attention_splits`);
+    ``fused_lora``: LoRA through :mod:`qerl.rollout.fast.lora` where it applies."""
     dev, dt = plan.device, plan.dtype
     shape = (rows, plan.n_kv, cap, plan.head_dim)
 
@@ -83,6 +109,8 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         return torch.zeros(s, dtype=dtype, device=dev)
 
     xa, lo = _lora_buffers(plan, rows, dev)
+    fused = _fused_lora(plan, rows, dev) if fused_lora and lo else None
+    launch, part, cnt = fused if fused is not None else ({}, {}, None)
     if attn_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         attn_splits = K.attention_splits(rows, plan.n_kv, cap, sms)
@@ -96,6 +124,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         eos=torch.full((8,), -1, dtype=torch.long, device=dev), pad_id=z(1, dtype=torch.long),
         out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
         out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), lora_xa=xa, lora_out=lo,
+        lora_launch=launch, lora_part=part, lora_cnt=cnt,
         attn_splits=attn_splits, side=side)
 
 

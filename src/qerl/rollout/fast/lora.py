@@ -1,0 +1,189 @@
+"""A group's LoRA in decode as one kernel launch: ``lo = (x a_cat^T) b_full^T``.
+
+The two-GEMM path (cuBLAS shrink, split-K reduce, expand: three launches a group, eight small
+GEMMs a decoder layer) is latency-bound at decode batch sizes: each launch is a few microseconds
+of mostly idle multiprocessors (docs/benchmarks.md: about 1 ms a 7B step at B=64 and B=1). Here one
+launch does both halves, for at most :data:`FUSED_MAX_M` rows:
+
+* every program first takes a ticket (an atomic counter), so tickets follow the order in which
+  programs actually started;
+* the first ``split`` tickets each compute the shrink over one slice of the input features into a
+  float32 partial ``[M, R]`` and then count themselves done (release);
+* the other tickets each own ``BLOCK_N`` output columns: they wait until all shrink tickets are
+  done (acquire), sum the partials of the rank slice their columns use (``b_full`` is block
+  diagonal: a tile inside one member reads only that member's rank slice), round that to the
+  model dtype (where the cuBLAS path rounds its shrink output) and write ``xa_slice b_tile^T``;
+* the last program to finish puts the counters back to zero for the next launch (CUDA-graph
+  replays included).
+
+A waiting program only waits for tickets handed out before its own, to programs already running,
+so the launch cannot deadlock whatever the grid size or what else shares the GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from qerl.rollout.fast.kernels import HAS_TRITON, np2, tl, triton
+
+__all__ = ["FUSED_MAX_M", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
+
+# Rows the fused kernel takes (its shrink holds all rows in one block); more rows use cuBLAS.
+FUSED_MAX_M = 64
+BLOCK_N = 128
+_OK: dict = {}
+
+
+def lora_torch(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: two GEMMs, the shrink rounded to the model dtype (the cuBLAS path)."""
+    xa = x @ a_cat.t()
+    if out is None:
+        return xa @ b_full.t()
+    return torch.mm(xa, b_full.t(), out=out)
+
+
+def tile_rank_starts(out_f: list[int], ranks: list[int], block_n: int) -> tuple[list[int], int]:
+    """Per output tile of ``block_n`` columns, the first column of ``b_full`` it reads, and the
+    width of the rank window every tile reads. A tile inside one member reads that member's rank
+    slice (``b_full`` is block diagonal, so the window's other columns are zero on its rows);
+    when some tile straddles two members every tile reads all ``sum(ranks)`` columns."""
+    r_total = sum(ranks)
+    n = sum(out_f)
+    starts, col_ends, r = [], [], 0
+    for f, rk in zip(out_f, ranks, strict=True):
+        starts.append(r)
+        col_ends.append((col_ends[-1] if col_ends else 0) + f)
+        r += rk
+    tiles = -(-n // block_n)
+    firsts = []
+    for t in range(tiles):
+        lo, hi = t * block_n, min(n, (t + 1) * block_n) - 1
+        mem_lo = next(i for i, e in enumerate(col_ends) if lo < e)
+        mem_hi = next(i for i, e in enumerate(col_ends) if hi < e)
+        if mem_lo != mem_hi:
+            return [0] * tiles, max(16, np2(r_total))
+        firsts.append(starts[mem_lo])
+    return firsts, max(16, np2(max(ranks)))
+
+
+class LoraLaunch:
+    """What one group's fused launch needs besides its tensors: tile rank starts (a device
+    tensor), the rank window and the shrink split (from the input features)."""
+
+    def __init__(self, out_f: list[int], ranks: list[int], in_f: int, device: torch.device) -> None:
+        firsts, self.window = tile_rank_starts(out_f, ranks, BLOCK_N)
+        self.r0 = torch.tensor(firsts, dtype=torch.int32, device=device)
+        self.n_tiles = len(firsts)
+        self.r_total = sum(ranks)
+        # shrink slices of at least 512 features, at most 16 of them (the expand tiles re-read
+        # every slice's partial)
+        self.k_per = max(512, np2(-(-in_f // 16)))
+        self.split = -(-in_f // self.k_per)
+
+    def part_numel(self, rows: int) -> int:
+        return self.split * rows * self.r_total
+
+
+def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
+               part: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch) -> torch.Tensor:
+    """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``part``: float32 scratch of at least
+    ``launch.part_numel(M)`` values; ``counters``: 3 int32 zeros, left zero after the launch (one
+    per stream: launches sharing them must not run concurrently)."""
+    m, k = x.shape
+    if m > FUSED_MAX_M:
+        raise ValueError(f"fused_lora takes at most {FUSED_MAX_M} rows, got {m}")
+    n, r = b_full.shape
+    if x.stride(1) != 1 or not (a_cat.is_contiguous() and b_full.is_contiguous()):
+        raise ValueError("fused_lora needs row-major x (unit column stride), a_cat and b_full")
+    dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
+    grid = (launch.split + launch.n_tiles,)
+    _lora_kernel[grid](x, x.stride(0), a_cat, b_full, part, out, out.stride(0), counters, launch.r0,
+                       m, k, r, n, launch.k_per, launch.split,
+                       BM=max(16, np2(m)), BK=64, BR=max(16, np2(r)), RS=launch.window,
+                       BN=BLOCK_N, DT=dt, num_warps=4)
+    return out
+
+
+def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Once per device and dtype: the kernel agrees with :func:`lora_torch` on a random group of
+    three members (and leaves its counters at zero); else a warning and the cuBLAS path."""
+    key = (device, dtype)
+    if key not in _OK:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            out_f, ranks, k, m = [384, 128, 128], [8, 8, 8], 1100, 5
+            x = torch.randn(m, k, device=device, generator=g).to(dtype)
+            a = (torch.randn(sum(ranks), k, device=device, generator=g) * 0.05).to(dtype)
+            b = torch.zeros(sum(out_f), sum(ranks), device=device, dtype=dtype)
+            ro = co = 0
+            for f, rk in zip(out_f, ranks, strict=True):
+                b[co:co + f, ro:ro + rk] = (torch.randn(f, rk, device=device, generator=g) * 0.1).to(dtype)
+                ro, co = ro + rk, co + f
+            lau = LoraLaunch(out_f, ranks, k, device)
+            part = torch.empty(lau.part_numel(m), device=device)
+            cnt = torch.zeros(3, dtype=torch.int32, device=device)
+            out = torch.full((m, sum(out_f)), float("nan"), device=device, dtype=dtype)
+            for _ in range(2):  # the second launch needs the counters the first reset
+                fused_lora(x, a, b, out, part, cnt, lau)
+            ref = lora_torch(x.float(), a.float(), b.float())
+            err = float((out.float() - ref).norm() / ref.norm())
+            if not err < 2e-2 or int(cnt.abs().sum()) != 0:
+                raise RuntimeError(f"relative error {err:.3g}, counters {cnt.tolist()}")
+            _OK[key] = True
+        except Exception as e:  # noqa: BLE001 - pragma: no cover - depends on the GPU stack
+            warnings.warn(f"fast engine: the fused LoRA kernel failed its check for {dtype} ({e!r});"
+                          " LoRA runs as cuBLAS GEMMs", stacklevel=3)
+            _OK[key] = False
+    return _OK[key]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _lora_kernel(x_ptr, sx, a_ptr, b_ptr, part_ptr, lo_ptr, slo, cnt_ptr, r0_ptr, M, K, R, N,
+                     K_PER, SPLIT, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                     RS: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
+        rows = tl.arange(0, BM)
+        rmask = rows < M
+        t = tl.atomic_add(cnt_ptr, 1)  # the ticket
+        if t < SPLIT:  # shrink: features [t * K_PER, (t + 1) * K_PER) into partial t
+            rr = tl.arange(0, BR)
+            rk = rr < R
+            acc = tl.zeros((BM, BR), dtype=tl.float32)
+            for kk in range(0, K_PER, BK):
+                offs = t * K_PER + kk + tl.arange(0, BK)
+                km = offs < K
+                xt = tl.load(x_ptr + rows[:, None] * sx + offs[None, :],
+                             mask=rmask[:, None] & km[None, :], other=0.0)
+                at = tl.load(a_ptr + rr[:, None] * K + offs[None, :],
+                             mask=rk[:, None] & km[None, :], other=0.0)
+                acc += tl.dot(xt, tl.trans(at))
+            tl.store(part_ptr + (t * M + rows[:, None]) * R + rr[None, :], acc,
+                     mask=rmask[:, None] & rk[None, :])
+            tl.atomic_add(cnt_ptr + 1, 1, sem="release")
+        else:  # expand: columns [tile * BN, (tile + 1) * BN)
+            tile = t - SPLIT
+            done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+            while done < SPLIT:
+                done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+            rs = tl.load(r0_ptr + tile) + tl.arange(0, RS)
+            rsm = rs < R
+            xa = tl.zeros((BM, RS), dtype=tl.float32)
+            for s in range(0, SPLIT):
+                xa += tl.load(part_ptr + (s * M + rows[:, None]) * R + rs[None, :],
+                              mask=rmask[:, None] & rsm[None, :], other=0.0, cache_modifier=".cg")
+            cols = tile * BN + tl.arange(0, BN)
+            cm = cols < N
+            b = tl.load(b_ptr + cols[:, None] * R + rs[None, :], mask=cm[:, None] & rsm[None, :],
+                        other=0.0)
+            y = tl.dot(xa.to(DT), tl.trans(b))
+            tl.store(lo_ptr + rows[:, None] * slo + cols[None, :], y.to(DT),
+                     mask=rmask[:, None] & cm[None, :])
+        fin = tl.atomic_add(cnt_ptr + 2, 1, sem="acq_rel")
+        if fin == SPLIT + tl.cdiv(N, BN) - 1:  # the last one out resets the counters
+            tl.atomic_xchg(cnt_ptr, 0)
+            tl.atomic_xchg(cnt_ptr + 1, 0)
+            tl.atomic_xchg(cnt_ptr + 2, 0)
