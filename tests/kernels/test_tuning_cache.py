@@ -99,3 +99,21 @@ def test_compile_within_keeps_the_successes_done_by_the_deadline() -> None:
     assert not finished  # returned at the deadline, without waiting for the slow one
     release.set()
     assert compile_within(["slow", "a"], compile_one, deadline=float("inf"), workers=2) == ["slow", "a"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_us_times_the_captured_calls_not_their_launches() -> None:
+    """The tuner's timer: ``fn`` runs once eagerly (warm) and ``reps`` times while a graph is
+    captured; the replays do not call Python again."""
+    from qerl.kernels.tune import graph_us
+
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return a @ a
+
+    us = graph_us(fn, reps=4, flush_bytes=8 << 20, trials=3)
+    assert len(calls) == 1 + 4
+    assert 0.0 <= us < 1e5

@@ -288,12 +288,12 @@ def _lora_problem(m: int, k: int, out_f: list[int], ranks: list[int], dt):
 def test_fused_lora_equals_two_gemms(dt, m, k, out_f, ranks) -> None:
     x, a, b, ref = _lora_problem(m, k, out_f, ranks, dt)
     lau = L.LoraLaunch(out_f, ranks, k, torch.device(DEV))
-    part = torch.full((lau.part_numel(m),), float("nan"), device=DEV)
+    part = torch.zeros(lau.part_numel(m), device=DEV)
     cnt = torch.zeros(3, dtype=torch.int32, device=DEV)
     out = torch.full((m, sum(out_f)), float("nan"), device=DEV, dtype=dt)
-    for _ in range(3):  # each launch must find the counters the previous one reset
+    for _ in range(3):  # each launch must find the counters and accumulator the previous one cleared
         L.fused_lora(x, a, b, out, part, cnt, lau)
-        assert cnt.tolist() == [0, 0, 0]
+        assert cnt.tolist() == [0, 0, 0] and not bool(part.any())
         assert _rel(out, ref) < TOL[dt], _rel(out, ref)
     assert _rel(out, L.lora_torch(x, a, b)) < TOL[dt]
 
@@ -308,27 +308,29 @@ def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
 
 
 def test_fused_lora_kernel_compiles_for_hopper() -> None:
-    """PTX for sm_90 with the real compiler (no GPU needed): the spin-wait is an acquire load and
-    the done-count a release reduction after a block barrier."""
+    """PTX for sm_90 with the real compiler (no GPU needed): the spin-wait is an acquire load, the
+    done-count a release reduction, the shrink float atomic additions."""
     import subprocess
     import sys
 
     code = """
+import re
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qerl.rollout.fast import lora as L
-P = {"x_ptr": "*bf16", "sx": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32",
+P = {"x_ptr": "*bf16", "sx": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32",
      "lo_ptr": "*bf16", "slo": "i32", "cnt_ptr": "*i32", "r0_ptr": "*i32", "M": "i32", "K": "i32",
-     "R": "i32", "N": "i32", "K_PER": "i32", "SPLIT": "i32"}
+     "R": "i32", "N": "i32", "SPLIT": "i32"}
 fn = L._lora_kernel
-for bm, br in ((16, 128), (64, 32)):
-    const = dict(BM=bm, BK=64, BR=br, RS=32, BN=128, DT=tl.bfloat16)
+for bm, br, bk in ((16, 128, 128), (64, 32, 256)):
+    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, DT=tl.bfloat16)
     sig = {a: ("constexpr" if a in const else P[a]) for a in fn.arg_names}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert "ld.global.gpu.acquire" in ptx and "red.global.gpu.release.add" in ptx, "no acquire/release"
+    assert re.search("(red|atom)[.]global[.][^ ]*add[.]f32", ptx), "no float atomic additions"
 print("compiled")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -26,13 +26,14 @@ def test_window_is_the_largest_member_rank_rounded_up() -> None:
     assert firsts == [0, 0, 8] and window == 64
 
 
-def test_launch_splits_the_input_features_into_at_most_16_slices_of_512_or_more() -> None:
-    for in_f, k_per, split in ((3584, 512, 7), (18944, 2048, 10), (27648, 2048, 14), (64, 512, 1)):
+def test_launch_gives_each_shrink_program_one_slice_of_128_or_256_features() -> None:
+    for in_f, k_per, split in ((3584, 128, 28), (5120, 128, 40), (18944, 256, 74), (27648, 256, 108),
+                               (64, 128, 1)):
         lau = LoraLaunch([BLOCK_N * 2], [16], in_f, torch.device("cpu"))
         assert (lau.k_per, lau.split) == (k_per, split), in_f
-        assert lau.split * lau.k_per >= in_f and lau.split <= 16
+        assert (lau.split - 1) * lau.k_per < in_f <= lau.split * lau.k_per
     lau = LoraLaunch([3584, 512, 512], [32, 32, 32], 3584, torch.device("cpu"))
-    assert lau.n_tiles == 36 and lau.r0.dtype == torch.int32 and lau.part_numel(64) == 7 * 64 * 96
+    assert lau.n_tiles == 36 and lau.r0.dtype == torch.int32 and lau.part_numel(64) == 64 * 96
 
 
 def test_reference_is_the_two_gemm_product() -> None:

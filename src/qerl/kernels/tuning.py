@@ -6,8 +6,8 @@ heuristic choice at each M and its neighbours (pipeline stages, CTAs per SM, str
 block N and K), optionally plus a sample from humming's own tuner space
 (``humming.testing.tuning.sample_test_tuning_configs``, ``--samples``; it costs one to two minutes
 of CPU per shape); they are compiled in parallel, each is checked against the heuristic kernel's
-output and timed with a cold L2 (``triton.testing.do_bench``, which flushes the cache before every
-launch), and the fastest per M is kept; illegal candidates fail to compile and are skipped. Results go to one JSON file per GPU (``$QERL_HUMMING_TUNING``, else
+output and timed with a cold L2 in a CUDA graph (:func:`qerl.kernels.tune.graph_us`: no CPU
+launch time in the timing), and the fastest per M is kept; illegal candidates fail to compile and are skipped. Results go to one JSON file per GPU (``$QERL_HUMMING_TUNING``, else
 ``$XDG_CACHE_HOME/qerl/humming_tuning_<gpu>.json``, ``~/.cache`` by default), keyed by
 ``<fmt>:<N>x<K>:<dtype>``; entries from another humming version are ignored.
 

@@ -7,14 +7,18 @@ launch does both halves, for at most :data:`FUSED_MAX_M` rows:
 
 * every program first takes a ticket (an atomic counter), so tickets follow the order in which
   programs actually started;
-* the first ``split`` tickets each compute the shrink over one slice of the input features into a
-  float32 partial ``[M, R]`` and then count themselves done (release);
+* the first ``split`` tickets each compute the shrink over one slice of 128 (or 256) input
+  features, add it into a float32 ``[M, R]`` accumulator (atomic adds) and count themselves done
+  (release);
 * the other tickets each own ``BLOCK_N`` output columns: they wait until all shrink tickets are
-  done (acquire), sum the partials of the rank slice their columns use (``b_full`` is block
-  diagonal: a tile inside one member reads only that member's rank slice), round that to the
-  model dtype (where the cuBLAS path rounds its shrink output) and write ``xa_slice b_tile^T``;
-* the last program to finish puts the counters back to zero for the next launch (CUDA-graph
-  replays included).
+  done (acquire), read the rank slice of the accumulator their columns use (``b_full`` is block
+  diagonal: a tile inside one member reads only that member's rank slice), round it to the model
+  dtype (where the cuBLAS path rounds its shrink output) and write ``xa_slice b_tile^T``;
+* the last program to finish clears the accumulator and puts the counters back to zero for the
+  next launch (CUDA-graph replays included).
+
+Every program is one load round trip plus a few atomics: the first version looped over 512- to
+2,048-feature slices in each shrink program and was slower than cuBLAS (docs/benchmarks.md, run 20).
 
 A waiting program only waits for tickets handed out before its own, to programs already running,
 so the launch cannot deadlock whatever the grid size or what else shares the GPU.
@@ -78,20 +82,20 @@ class LoraLaunch:
         self.r0 = torch.tensor(firsts, dtype=torch.int32, device=device)
         self.n_tiles = len(firsts)
         self.r_total = sum(ranks)
-        # shrink slices of at least 512 features, at most 16 of them (the expand tiles re-read
-        # every slice's partial)
-        self.k_per = max(512, np2(-(-in_f // 16)))
+        # one load per shrink program: 128-feature slices, 256 for the wide down projections
+        self.k_per = 128 if in_f <= 8192 else 256
         self.split = -(-in_f // self.k_per)
 
     def part_numel(self, rows: int) -> int:
-        return self.split * rows * self.r_total
+        """Float32 accumulator values a launch of ``rows`` rows needs (zero before the first)."""
+        return rows * self.r_total
 
 
 def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
                part: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch) -> torch.Tensor:
-    """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``part``: float32 scratch of at least
-    ``launch.part_numel(M)`` values; ``counters``: 3 int32 zeros, left zero after the launch (one
-    per stream: launches sharing them must not run concurrently)."""
+    """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``part``: float32 zeros, at least
+    ``launch.part_numel(M)``; ``counters``: 3 int32 zeros. Both are left zero by the launch, for
+    the next one (launches sharing them must not run concurrently: one set per stream)."""
     m, k = x.shape
     if m > FUSED_MAX_M:
         raise ValueError(f"fused_lora takes at most {FUSED_MAX_M} rows, got {m}")
@@ -101,8 +105,8 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
     grid = (launch.split + launch.n_tiles,)
     _lora_kernel[grid](x, x.stride(0), a_cat, b_full, part, out, out.stride(0), counters, launch.r0,
-                       m, k, r, n, launch.k_per, launch.split,
-                       BM=max(16, np2(m)), BK=64, BR=max(16, np2(r)), RS=launch.window,
+                       m, k, r, n, launch.split,
+                       BM=max(16, np2(m)), BK=launch.k_per, BR=max(16, np2(r)), RS=launch.window,
                        BN=BLOCK_N, DT=dt, num_warps=4)
     return out
 
@@ -123,15 +127,16 @@ def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
                 b[co:co + f, ro:ro + rk] = (torch.randn(f, rk, device=device, generator=g) * 0.1).to(dtype)
                 ro, co = ro + rk, co + f
             lau = LoraLaunch(out_f, ranks, k, device)
-            part = torch.empty(lau.part_numel(m), device=device)
+            part = torch.zeros(lau.part_numel(m), device=device)
             cnt = torch.zeros(3, dtype=torch.int32, device=device)
             out = torch.full((m, sum(out_f)), float("nan"), device=device, dtype=dtype)
             for _ in range(2):  # the second launch needs the counters the first reset
                 fused_lora(x, a, b, out, part, cnt, lau)
             ref = lora_torch(x.float(), a.float(), b.float())
             err = float((out.float() - ref).norm() / ref.norm())
-            if not err < 2e-2 or int(cnt.abs().sum()) != 0:
-                raise RuntimeError(f"relative error {err:.3g}, counters {cnt.tolist()}")
+            if not err < 2e-2 or int(cnt.abs().sum()) != 0 or bool(part.any()):
+                raise RuntimeError(f"relative error {err:.3g}, counters {cnt.tolist()}, "
+                                   f"accumulator cleared: {not bool(part.any())}")
             _OK[key] = True
         except Exception as e:  # noqa: BLE001 - pragma: no cover - depends on the GPU stack
             warnings.warn(f"fast engine: the fused LoRA kernel failed its check for {dtype} ({e!r});"
@@ -143,26 +148,25 @@ def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
 if HAS_TRITON:
 
     @triton.jit
-    def _lora_kernel(x_ptr, sx, a_ptr, b_ptr, part_ptr, lo_ptr, slo, cnt_ptr, r0_ptr, M, K, R, N,
-                     K_PER, SPLIT, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    def _lora_kernel(x_ptr, sx, a_ptr, b_ptr, acc_ptr, lo_ptr, slo, cnt_ptr, r0_ptr, M, K, R, N,
+                     SPLIT, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
                      RS: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
         rows = tl.arange(0, BM)
         rmask = rows < M
         t = tl.atomic_add(cnt_ptr, 1)  # the ticket
-        if t < SPLIT:  # shrink: features [t * K_PER, (t + 1) * K_PER) into partial t
+        if t < SPLIT:  # shrink: features [t * BK, (t + 1) * BK), added into acc [M, R]
             rr = tl.arange(0, BR)
             rk = rr < R
-            acc = tl.zeros((BM, BR), dtype=tl.float32)
-            for kk in range(0, K_PER, BK):
-                offs = t * K_PER + kk + tl.arange(0, BK)
-                km = offs < K
-                xt = tl.load(x_ptr + rows[:, None] * sx + offs[None, :],
-                             mask=rmask[:, None] & km[None, :], other=0.0)
-                at = tl.load(a_ptr + rr[:, None] * K + offs[None, :],
-                             mask=rk[:, None] & km[None, :], other=0.0)
-                acc += tl.dot(xt, tl.trans(at))
-            tl.store(part_ptr + (t * M + rows[:, None]) * R + rr[None, :], acc,
-                     mask=rmask[:, None] & rk[None, :])
+            offs = t * BK + tl.arange(0, BK)
+            km = offs < K
+            xt = tl.load(x_ptr + rows[:, None] * sx + offs[None, :],
+                         mask=rmask[:, None] & km[None, :], other=0.0)
+            at = tl.load(a_ptr + rr[:, None] * K + offs[None, :], mask=rk[:, None] & km[None, :],
+                         other=0.0)
+            part = tl.dot(xt, tl.trans(at))
+            tl.atomic_add(acc_ptr + rows[:, None] * R + rr[None, :], part,
+                          mask=rmask[:, None] & rk[None, :], sem="relaxed")
+            tl.debug_barrier()  # every thread's additions before the one release below
             tl.atomic_add(cnt_ptr + 1, 1, sem="release")
         else:  # expand: columns [tile * BN, (tile + 1) * BN)
             tile = t - SPLIT
@@ -171,10 +175,8 @@ if HAS_TRITON:
                 done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
             rs = tl.load(r0_ptr + tile) + tl.arange(0, RS)
             rsm = rs < R
-            xa = tl.zeros((BM, RS), dtype=tl.float32)
-            for s in range(0, SPLIT):
-                xa += tl.load(part_ptr + (s * M + rows[:, None]) * R + rs[None, :],
-                              mask=rmask[:, None] & rsm[None, :], other=0.0, cache_modifier=".cg")
+            xa = tl.load(acc_ptr + rows[:, None] * R + rs[None, :],
+                         mask=rmask[:, None] & rsm[None, :], other=0.0, cache_modifier=".cg")
             cols = tile * BN + tl.arange(0, BN)
             cm = cols < N
             b = tl.load(b_ptr + cols[:, None] * R + rs[None, :], mask=cm[:, None] & rsm[None, :],
@@ -183,7 +185,11 @@ if HAS_TRITON:
             tl.store(lo_ptr + rows[:, None] * slo + cols[None, :], y.to(DT),
                      mask=rmask[:, None] & cm[None, :])
         fin = tl.atomic_add(cnt_ptr + 2, 1, sem="acq_rel")
-        if fin == SPLIT + tl.cdiv(N, BN) - 1:  # the last one out resets the counters
+        if fin == SPLIT + tl.cdiv(N, BN) - 1:  # the last one out clears acc and the counters
+            rz = tl.arange(0, BR)
+            tl.store(acc_ptr + rows[:, None] * R + rz[None, :], tl.zeros((BM, BR), tl.float32),
+                     mask=rmask[:, None] & (rz < R)[None, :])
+            tl.debug_barrier()
             tl.atomic_xchg(cnt_ptr, 0)
             tl.atomic_xchg(cnt_ptr + 1, 0)
-            tl.atomic_xchg(cnt_ptr + 2, 0)
+            tl.atomic_xchg(cnt_ptr + 2, 0, sem="release")

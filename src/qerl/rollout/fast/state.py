@@ -42,7 +42,7 @@ class State:
     lora_xa: dict = field(default_factory=dict)  # per group kind: flat [rows * R] shrink buffer
     lora_out: dict = field(default_factory=dict)  # per group kind: [rows, N] LoRA output
     lora_launch: dict = field(default_factory=dict)  # per group kind: fused kernel's LoraLaunch
-    lora_part: dict = field(default_factory=dict)  # per group kind: its float32 partials
+    lora_part: dict = field(default_factory=dict)  # per group kind: its float32 accumulator
     lora_cnt: torch.Tensor | None = None  # the fused kernel's counters (None: cuBLAS LoRA)
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
     side: torch.cuda.Stream | None = None
