@@ -280,7 +280,7 @@ def _lora_problem(m: int, k: int, out_f: list[int], ranks: list[int], dt):
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("m,k,out_f,ranks", [
     (1, 3584, [3584, 512, 512], [32, 32, 32]),   # 7B q/k/v at B=1: tiles inside one member each
-    (64, 1300, [384, 128, 128], [8, 8, 8]),      # the most rows it takes
+    (32, 1300, [384, 128, 128], [8, 8, 8]),      # the most rows it takes
     (5, 700, [200, 56], [4, 12]),                # a tile straddles two members: the whole rank
     (3, 2500, [130], [16]),                      # one member, a partial last tile
     (7, 640, [256, 256], [0, 16]),               # a member without adapters
@@ -301,7 +301,7 @@ def test_fused_lora_equals_two_gemms(dt, m, k, out_f, ranks) -> None:
 def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
     x, a, b, _ = _lora_problem(L.FUSED_MAX_M + 1, 64, [32], [16], DTYPES[0])
     lau = L.LoraLaunch([32], [16], 64, torch.device(DEV))
-    with pytest.raises(ValueError, match="at most 64 rows"):
+    with pytest.raises(ValueError, match=f"at most {L.FUSED_MAX_M} rows"):
         L.fused_lora(x, a, b, torch.empty(x.shape[0], 32, device=DEV, dtype=x.dtype),
                      torch.empty(lau.part_numel(x.shape[0]), device=DEV),
                      torch.zeros(3, dtype=torch.int32, device=DEV), lau)
@@ -329,7 +329,9 @@ for bm, br, bk in ((16, 128, 128), (64, 32, 256)):
     sig = {a: ("constexpr" if a in const else P[a]) for a in fn.arg_names}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    assert "ld.global.gpu.acquire" in ptx and "red.global.gpu.release.add" in ptx, "no acquire/release"
+    # (the order of the qualifiers differs between Triton releases)
+    assert re.search("(ld|atom)[.][^ ]*acquire", ptx), "no acquire load or atomic"
+    assert re.search("(red|atom)[.][^ ]*release", ptx), "no release reduction or atomic"
     assert re.search("(red|atom)[.]global[.][^ ]*add[.]f32", ptx), "no float atomic additions"
 print("compiled")
 """

@@ -3,7 +3,8 @@
 The two-GEMM path (cuBLAS shrink, split-K reduce, expand: three launches a group, eight small
 GEMMs a decoder layer) is latency-bound at decode batch sizes: each launch is a few microseconds
 of mostly idle multiprocessors (docs/benchmarks.md: about 1 ms a 7B step at B=64 and B=1). Here one
-launch does both halves, for at most :data:`FUSED_MAX_M` rows:
+launch does both halves, for at most :data:`FUSED_MAX_M` rows (where it is not slower than the
+cuBLAS pair):
 
 * every program first takes a ticket (an atomic counter), so tickets follow the order in which
   programs actually started;
@@ -18,7 +19,7 @@ launch does both halves, for at most :data:`FUSED_MAX_M` rows:
   next launch (CUDA-graph replays included).
 
 Every program is one load round trip plus a few atomics: the first version looped over 512- to
-2,048-feature slices in each shrink program and was slower than cuBLAS (docs/benchmarks.md, run 20).
+2,048-feature slices in each shrink program and was slower than cuBLAS at every batch (run 20).
 
 A waiting program only waits for tickets handed out before its own, to programs already running,
 so the launch cannot deadlock whatever the grid size or what else shares the GPU.
@@ -35,7 +36,9 @@ from qerl.rollout.fast.kernels import HAS_TRITON, np2, tl, triton
 __all__ = ["FUSED_MAX_M", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
 
 # Rows the fused kernel takes (its shrink holds all rows in one block); more rows use cuBLAS.
-FUSED_MAX_M = 64
+# Run 21 (docs/benchmarks.md), ms a decode step against the cuBLAS pair: 7B B=1 3.83 vs 3.92,
+# 32B B=32 18.23 vs 18.25, 7B B=64 5.70 vs 5.56 -- ahead at batch 1, level at 32, behind at 64.
+FUSED_MAX_M = 32
 BLOCK_N = 128
 _OK: dict = {}
 
