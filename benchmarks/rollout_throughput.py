@@ -54,7 +54,7 @@ ARCH = {
                 tie_word_embeddings=False),
 }
 ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1, 256),
-        "7b-1-2k": ("7b", 1, 2048),
+        "7b-1-2k": ("7b", 1, 2048), "7b-8": ("7b", 8, 256),
         "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
 COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
            "fast_mxfp4_lora"]

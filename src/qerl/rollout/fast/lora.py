@@ -36,9 +36,9 @@ from qerl.rollout.fast.kernels import HAS_TRITON, np2, tl, triton
 __all__ = ["FUSED_MAX_M", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
 
 # Rows the fused kernel takes (its shrink holds all rows in one block); more rows use cuBLAS.
-# Run 21 (docs/benchmarks.md), ms a decode step against the cuBLAS pair: 7B B=1 3.83 vs 3.92,
-# 32B B=32 18.23 vs 18.25, 7B B=64 5.70 vs 5.56 -- ahead at batch 1, level at 32, behind at 64.
-FUSED_MAX_M = 32
+# Runs 21-22 (docs/benchmarks.md), ms a decode step against the cuBLAS pair: 7B B=1 3.83 vs 3.92;
+# 32B B=32 16.92 vs 16.30, 7B B=64 5.70 vs 5.56: ahead at batch 1, behind at 32 and 64.
+FUSED_MAX_M = 8
 BLOCK_N = 128
 _OK: dict = {}
 
