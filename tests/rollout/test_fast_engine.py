@@ -403,7 +403,8 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits) -> None:
                    hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
     eng = FastEngine(attention_splits=splits)
-    sp = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_new_tokens=20, eos_token_ids=(), pad_token_id=0)
+    # 4 prompts x 2 = 8 rows: the fused LoRA kernel's largest batch (lora.FUSED_MAX_M)
+    sp = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=20, eos_token_ids=(), pad_token_id=0)
     out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["cuda_graph"], "decode step not captured"
     assert sampling._KERNEL_OK[torch.device("cuda", torch.cuda.current_device()), torch.bfloat16], \
