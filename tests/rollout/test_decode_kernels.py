@@ -280,7 +280,7 @@ def _lora_problem(m: int, k: int, out_f: list[int], ranks: list[int], dt):
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("m,k,out_f,ranks", [
     (1, 3584, [3584, 512, 512], [32, 32, 32]),   # 7B q/k/v at B=1: tiles inside one member each
-    (8, 1300, [384, 128, 128], [8, 8, 8]),       # the most rows it takes
+    (64, 1300, [384, 128, 128], [8, 8, 8]),      # the most rows it takes
     (5, 700, [200, 56], [4, 12]),                # a tile straddles two members: the whole rank
     (3, 2500, [130], [16]),                      # one member, a partial last tile
     (7, 640, [256, 256], [0, 16]),               # a member without adapters
@@ -299,9 +299,9 @@ def test_fused_lora_equals_two_gemms(dt, m, k, out_f, ranks) -> None:
 
 
 def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
-    x, a, b, _ = _lora_problem(L.FUSED_MAX_M + 1, 64, [32], [16], DTYPES[0])
+    x, a, b, _ = _lora_problem(L.MAX_ROWS + 1, 64, [32], [16], DTYPES[0])
     lau = L.LoraLaunch([32], [16], 64, torch.device(DEV))
-    with pytest.raises(ValueError, match=f"at most {L.FUSED_MAX_M} rows"):
+    with pytest.raises(ValueError, match=f"at most {L.MAX_ROWS} rows"):
         L.fused_lora(x, a, b, torch.empty(x.shape[0], 32, device=DEV, dtype=x.dtype),
                      torch.empty(lau.part_numel(x.shape[0]), device=DEV),
                      torch.zeros(3, dtype=torch.int32, device=DEV), lau)

@@ -325,19 +325,25 @@ def test_bad_engine_options() -> None:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
                     reason="CPU check of the Triton decode step, under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt,splits,lora_kernel", [(None, 1, "fused"), ("nvfp4", 1, "fused"),
-                                                     ("nvfp4", 3, "cublas")])
-def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits, lora_kernel) -> None:
+@pytest.mark.parametrize("fmt,splits,lora_kernel,one_row", [
+    (None, 1, "fused", True), ("nvfp4", 1, "fused", True), ("nvfp4", 3, "cublas", False),
+    ("nvfp4", 1, "fused", False)])  # more rows than lora.FUSED_MAX_M: the cuBLAS pair
+def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits, lora_kernel, one_row) -> None:
     pytest.importorskip("triton")
+    from qerl.rollout.fast.lora import FUSED_MAX_M
+
     model = _model("qwen2", fmt=fmt, lora=True)
-    sp = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, eos_token_ids=(),
-                        pad_token_id=0)
-    ref = FastEngine(backend="torch").generate(model, PROMPTS, sp,
+    prompts = PROMPTS[:1] if one_row else PROMPTS
+    sp = SamplingParams(n=1 if one_row else 2, temperature=1.0, top_p=0.9, max_new_tokens=6,
+                        eos_token_ids=(), pad_token_id=0)
+    ref = FastEngine(backend="torch").generate(model, prompts, sp,
                                                generator=torch.Generator().manual_seed(0))
     eng = FastEngine(backend="triton", attention_splits=splits, lora_kernel=lora_kernel)
-    out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+    out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["backend"] == "triton"
-    assert eng.last_stats["lora_kernel"] == lora_kernel
+    rows = len(prompts) * sp.n
+    assert eng.last_stats["lora_kernel"] == ("fused" if lora_kernel == "fused" and rows <= FUSED_MAX_M
+                                             else "cublas")
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=1e-4)
 
@@ -392,24 +398,28 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("fmt,lora,splits", [(None, False, 1), ("nvfp4", True, 1), ("nvfp4", True, 4)])
-def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits) -> None:
+@pytest.mark.parametrize("fmt,lora,splits,n_rows", [(None, False, 1, 8), ("nvfp4", True, 1, 8),
+                                                    ("nvfp4", True, 4, 8), ("nvfp4", True, 1, 1)])
+def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows) -> None:
     """7B widths and the 152k vocabulary (two layers): the decode step is captured as a graph
     (the top-p sampling kernels, the LoRA side stream and split attention included), and agrees
     with a full forward pass."""
     from qerl.rollout.fast import sampling
+    from qerl.rollout.fast.lora import FUSED_MAX_M
 
     model = _model("qwen2", fmt=fmt, lora=lora, device="cuda", dtype=torch.bfloat16,
                    hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
     eng = FastEngine(attention_splits=splits)
-    # 4 prompts x 2 = 8 rows: the fused LoRA kernel's largest batch (lora.FUSED_MAX_M)
-    sp = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_new_tokens=20, eos_token_ids=(), pad_token_id=0)
-    out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
+    prompts = PROMPTS if n_rows == 8 else PROMPTS[:1]  # 4 prompts x 2 rows, or one row
+    sp = SamplingParams(n=n_rows // len(prompts), temperature=1.0, top_p=0.95, max_new_tokens=20,
+                        eos_token_ids=(), pad_token_id=0)
+    out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["cuda_graph"], "decode step not captured"
     assert sampling._KERNEL_OK[torch.device("cuda", torch.cuda.current_device()), torch.bfloat16], \
         "sampling kernel fell back"
-    assert eng.last_stats["lora_kernel"] == ("fused" if lora else "none")
+    want = "none" if not lora else ("fused" if n_rows <= FUSED_MAX_M else "cublas")
+    assert eng.last_stats["lora_kernel"] == want
     err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
     assert err.mean() < 0.05, err.mean()
 

@@ -7,7 +7,7 @@ sampling.
 
 LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` into a static buffer, on a side
 stream while the main stream runs the group's base GEMM: one launch of the fused kernel
-(:mod:`qerl.rollout.fast.lora`, up to 8 rows) or two cuBLAS GEMMs; the consumer kernel adds ``lo``
+(:mod:`qerl.rollout.fast.lora`, one row) or two cuBLAS GEMMs; the consumer kernel adds ``lo``
 in its epilogue (one load per element) after the streams join.
 """
 

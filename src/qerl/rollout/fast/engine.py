@@ -63,7 +63,7 @@ class FastEngine:
         lora_overlap: run the LoRA on a side stream (CUDA).
         lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
             :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
-            most 8 rows a wave, the kernel's first-use check passed); ``"cublas"``: two cuBLAS
+            most 1 row a wave, the kernel's first-use check passed); ``"cublas"``: two cuBLAS
             GEMMs a group always.
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and

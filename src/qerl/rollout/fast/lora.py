@@ -3,8 +3,8 @@
 The two-GEMM path (cuBLAS shrink, split-K reduce, expand: three launches a group, eight small
 GEMMs a decoder layer) is latency-bound at decode batch sizes: each launch is a few microseconds
 of mostly idle multiprocessors (docs/benchmarks.md: about 1 ms a 7B step at B=64 and B=1). Here one
-launch does both halves, for at most :data:`FUSED_MAX_M` rows (where it is not slower than the
-cuBLAS pair):
+launch does both halves, for up to :data:`MAX_ROWS` rows; the engine uses it up to
+:data:`FUSED_MAX_M` rows, where it measured faster than the cuBLAS pair:
 
 * every program first takes a ticket (an atomic counter), so tickets follow the order in which
   programs actually started;
@@ -33,12 +33,13 @@ import torch
 
 from qerl.rollout.fast.kernels import HAS_TRITON, np2, tl, triton
 
-__all__ = ["FUSED_MAX_M", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
+__all__ = ["FUSED_MAX_M", "MAX_ROWS", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
 
-# Rows the fused kernel takes (its shrink holds all rows in one block); more rows use cuBLAS.
-# Runs 21-22 (docs/benchmarks.md), ms a decode step against the cuBLAS pair: 7B B=1 3.83 vs 3.92;
-# 32B B=32 16.92 vs 16.30, 7B B=64 5.70 vs 5.56: ahead at batch 1, behind at 32 and 64.
-FUSED_MAX_M = 8
+# Rows the kernel takes (its shrink holds all rows in one block).
+MAX_ROWS = 64
+# Rows up to which the engine uses it instead of the cuBLAS pair. Runs 21-23 (docs/benchmarks.md), ms a decode step against the cuBLAS pair: 7B B=1 3.83 vs 3.92;
+# 7B B=8 4.66 vs 4.61, 32B B=32 16.92 vs 16.30, 7B B=64 5.70 vs 5.56: ahead only at batch 1.
+FUSED_MAX_M = 1
 BLOCK_N = 128
 _OK: dict = {}
 
@@ -100,8 +101,8 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
     ``launch.part_numel(M)``; ``counters``: 3 int32 zeros. Both are left zero by the launch, for
     the next one (launches sharing them must not run concurrently: one set per stream)."""
     m, k = x.shape
-    if m > FUSED_MAX_M:
-        raise ValueError(f"fused_lora takes at most {FUSED_MAX_M} rows, got {m}")
+    if m > MAX_ROWS:
+        raise ValueError(f"fused_lora takes at most {MAX_ROWS} rows, got {m}")
     n, r = b_full.shape
     if x.stride(1) != 1 or not (a_cat.is_contiguous() and b_full.is_contiguous()):
         raise ValueError("fused_lora needs row-major x (unit column stride), a_cat and b_full")

@@ -78,9 +78,9 @@ def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]
 def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict, torch.Tensor] | None:
     """The fused LoRA kernel's launches and partials per group kind, and its counters, when it
     takes this many rows and every layer's group of a kind has the same shape (else ``None``)."""
-    from qerl.rollout.fast.lora import FUSED_MAX_M, LoraLaunch
+    from qerl.rollout.fast.lora import MAX_ROWS, LoraLaunch
 
-    if rows > FUSED_MAX_M:
+    if rows > MAX_ROWS:
         return None
     launch, part = {}, {}
     for kind in ("qkv", "o", "gu", "down"):
