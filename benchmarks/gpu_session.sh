@@ -49,9 +49,6 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout \
         tests/kernels/test_tuning_cache.py 2>&1 | tail -25; echo "pytest rc=${PIPESTATUS[0]}" ;;
-    tune64)  # humming's sampler at B=64 for the 7B gate/up and down GEMMs (their cached choice competes)
-      timeout ${TUNE_TIMEOUT:-170} python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --ms 64 --only gate_up,down \
-        --samples ${TUNE_SAMPLES:-16} --budget-s $(( ${TUNE_TIMEOUT:-170} - 30 )) --json "$OUT/tune_7b64.json" ;;
     singlecopy)  # the single-copy engine leaves nothing of a call behind (cuBLAS workspaces included)
       timeout 90 python3 -m pytest -v -p no:cacheprovider -rfE \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tail -30 ;;
