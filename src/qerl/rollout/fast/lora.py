@@ -37,8 +37,9 @@ __all__ = ["FUSED_MAX_M", "MAX_ROWS", "LoraLaunch", "fused_lora", "fused_lora_ok
 
 # Rows the kernel takes (its shrink holds all rows in one block).
 MAX_ROWS = 64
-# Rows up to which the engine uses it instead of the cuBLAS pair. Runs 21-23 (docs/benchmarks.md), ms a decode step against the cuBLAS pair: 7B B=1 3.83 vs 3.92;
-# 7B B=8 4.66 vs 4.61, 32B B=32 16.92 vs 16.30, 7B B=64 5.70 vs 5.56: ahead only at batch 1.
+# Rows up to which the engine uses it instead of the cuBLAS pair. Runs 21-23 (docs/benchmarks.md),
+# ms a decode step, fused vs the pair: 7B B=1 3.83 vs 3.92; 7B B=8 4.66 vs 4.61, 32B B=32 16.92 vs
+# 16.30, 7B B=64 5.70 vs 5.56: ahead only at batch 1.
 FUSED_MAX_M = 1
 BLOCK_N = 128
 _OK: dict = {}
@@ -117,7 +118,8 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
 
 def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Once per device and dtype: the kernel agrees with :func:`lora_torch` on a random group of
-    three members (and leaves its counters at zero); else a warning and the cuBLAS path."""
+    three members (and leaves its counters and accumulator at zero); else a warning and the
+    cuBLAS path."""
     key = (device, dtype)
     if key not in _OK:
         try:
