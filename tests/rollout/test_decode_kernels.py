@@ -288,12 +288,12 @@ def _lora_problem(m: int, k: int, out_f: list[int], ranks: list[int], dt):
 def test_fused_lora_equals_two_gemms(dt, m, k, out_f, ranks) -> None:
     x, a, b, ref = _lora_problem(m, k, out_f, ranks, dt)
     lau = L.LoraLaunch(out_f, ranks, k, torch.device(DEV))
-    part = torch.zeros(lau.part_numel(m), device=DEV)
+    acc = torch.zeros(lau.acc_numel(m), device=DEV)
     cnt = torch.zeros(3, dtype=torch.int32, device=DEV)
     out = torch.full((m, sum(out_f)), float("nan"), device=DEV, dtype=dt)
     for _ in range(3):  # each launch must find the counters and accumulator the previous one cleared
-        L.fused_lora(x, a, b, out, part, cnt, lau)
-        assert cnt.tolist() == [0, 0, 0] and not bool(part.any())
+        L.fused_lora(x, a, b, out, acc, cnt, lau)
+        assert cnt.tolist() == [0, 0, 0] and not bool(acc.any())
         assert _rel(out, ref) < TOL[dt], _rel(out, ref)
     assert _rel(out, L.lora_torch(x, a, b)) < TOL[dt]
 
@@ -303,7 +303,7 @@ def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
     lau = L.LoraLaunch([32], [16], 64, torch.device(DEV))
     with pytest.raises(ValueError, match=f"at most {L.MAX_ROWS} rows"):
         L.fused_lora(x, a, b, torch.empty(x.shape[0], 32, device=DEV, dtype=x.dtype),
-                     torch.empty(lau.part_numel(x.shape[0]), device=DEV),
+                     torch.empty(lau.acc_numel(x.shape[0]), device=DEV),
                      torch.zeros(3, dtype=torch.int32, device=DEV), lau)
 
 

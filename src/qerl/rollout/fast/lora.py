@@ -91,15 +91,15 @@ class LoraLaunch:
         self.k_per = 128 if in_f <= 8192 else 256
         self.split = -(-in_f // self.k_per)
 
-    def part_numel(self, rows: int) -> int:
+    def acc_numel(self, rows: int) -> int:
         """Float32 accumulator values a launch of ``rows`` rows needs (zero before the first)."""
         return rows * self.r_total
 
 
 def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
-               part: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch) -> torch.Tensor:
-    """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``part``: float32 zeros, at least
-    ``launch.part_numel(M)``; ``counters``: 3 int32 zeros. Both are left zero by the launch, for
+               acc: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch) -> torch.Tensor:
+    """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``acc``: float32 zeros, at least
+    ``launch.acc_numel(M)``; ``counters``: 3 int32 zeros. Both are left zero by the launch, for
     the next one (launches sharing them must not run concurrently: one set per stream)."""
     m, k = x.shape
     if m > MAX_ROWS:
@@ -109,7 +109,7 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
         raise ValueError("fused_lora needs row-major x (unit column stride), a_cat and b_full")
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
     grid = (launch.split + launch.n_tiles,)
-    _lora_kernel[grid](x, x.stride(0), a_cat, b_full, part, out, out.stride(0), counters, launch.r0,
+    _lora_kernel[grid](x, x.stride(0), a_cat, b_full, acc, out, out.stride(0), counters, launch.r0,
                        m, k, r, n, launch.split,
                        BM=max(16, np2(m)), BK=launch.k_per, BR=max(16, np2(r)), RS=launch.window,
                        BN=BLOCK_N, DT=dt, num_warps=4)
@@ -133,16 +133,16 @@ def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
                 b[co:co + f, ro:ro + rk] = (torch.randn(f, rk, device=device, generator=g) * 0.1).to(dtype)
                 ro, co = ro + rk, co + f
             lau = LoraLaunch(out_f, ranks, k, device)
-            part = torch.zeros(lau.part_numel(m), device=device)
+            acc = torch.zeros(lau.acc_numel(m), device=device)
             cnt = torch.zeros(3, dtype=torch.int32, device=device)
             out = torch.full((m, sum(out_f)), float("nan"), device=device, dtype=dtype)
             for _ in range(2):  # the second launch needs the counters the first reset
-                fused_lora(x, a, b, out, part, cnt, lau)
+                fused_lora(x, a, b, out, acc, cnt, lau)
             ref = lora_torch(x.float(), a.float(), b.float())
             err = float((out.float() - ref).norm() / ref.norm())
-            if not err < 2e-2 or int(cnt.abs().sum()) != 0 or bool(part.any()):
+            if not err < 2e-2 or int(cnt.abs().sum()) != 0 or bool(acc.any()):
                 raise RuntimeError(f"relative error {err:.3g}, counters {cnt.tolist()}, "
-                                   f"accumulator cleared: {not bool(part.any())}")
+                                   f"accumulator cleared: {not bool(acc.any())}")
             _OK[key] = True
         except Exception as e:  # noqa: BLE001 - pragma: no cover - depends on the GPU stack
             warnings.warn(f"fast engine: the fused LoRA kernel failed its check for {dtype} ({e!r});"
