@@ -49,12 +49,15 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout \
         tests/kernels/test_tuning_cache.py 2>&1 | tail -25; echo "pytest rc=${PIPESTATUS[0]}" ;;
+    layouttests)  # humming's NVFP4 copy with bf16 group scales against the float32 reference and the ct layout
+      timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/kernels/test_gpu_fp4.py -k "humming" 2>&1 | tail -15
+      echo "pytest rc=${PIPESTATUS[0]}" ;;
     singlecopy)  # the single-copy engine leaves nothing of a call behind (cuBLAS workspaces included)
       timeout 90 python3 -m pytest -v -p no:cacheprovider -rfE \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tail -30 ;;
     tune)  # humming's heuristic and its neighbours per decode shape, timed in CUDA graphs with a cold L2
       timeout ${TUNE_TIMEOUT:-70} python3 -m qerl.kernels.tune --models ${TUNE_MODELS:-7b,32b} --formats nvfp4 \
-        --ms ${TUNE_MS:-1,32,64} --budget-s $(( ${TUNE_TIMEOUT:-70} - 15 )) --json "$OUT/tune.json" ;;
+        --layouts ${TUNE_LAYOUTS:-ct} --ms ${TUNE_MS:-1,32,64} --budget-s $(( ${TUNE_TIMEOUT:-70} - 15 )) --json "$OUT/tune.json" ;;
     tune7b)  # a wider search (humming's sampler) at B=1 for the 7B layers that hold 87 % of the bytes
       timeout 170 python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --ms 1 --only gate_up,down \
         --samples 16 --budget-s 140 --json "$OUT/tune_7b.json" ;;
@@ -68,11 +71,11 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     sampling)
       timeout 120 python3 benchmarks/sampling.py --rows 1,64,128,1024 --json "$OUT/sampling.json" ;;
     rollout7b64)
-      timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
+      timeout ${R64_TIMEOUT:-150} python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
         --columns ${COLS_7B64:-fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora} \
         --json "$OUT/rollout_7b64.json" ;;
     rollout7b1)
-      timeout 90 python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
+      timeout ${R1_TIMEOUT:-90} python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
         --columns ${COLS_7B1:-fast_bf16,fast_nvfp4,fast_nvfp4_lora} --json "$OUT/rollout_7b1.json" ;;
     rollout7b1long)  # B=1, 2048 new tokens: the decode attention split over the KV slots, and not
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k \
@@ -80,7 +83,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 60 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k --attention-splits 1 \
         --columns fast_nvfp4_lora --json "$OUT/rollout_7b1long_nosplit.json" ;;
     rollout32b)
-      timeout 120 python3 benchmarks/rollout_throughput.py --rows 32b-32 \
+      timeout ${R32_TIMEOUT:-120} python3 benchmarks/rollout_throughput.py --rows 32b-32 \
         --columns ${COLS_32B:-fast_bf16,fast_nvfp4_lora} --json "$OUT/rollout_32b32.json" ;;
     updatemem)  # activation bytes per token of the update, checkpointing on and off
       timeout 60 python3 benchmarks/update_memory.py --model 7b --format nvfp4 --rows 2,4 --json "$OUT/update_memory.json" ;;

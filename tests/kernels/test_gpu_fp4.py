@@ -68,13 +68,44 @@ def test_humming_every_7b_layer_shape(fmt: str, n: int, k: int) -> None:
 
 
 @humming
-@pytest.mark.parametrize("fmt", FMTS)
-def test_humming_stacked_members_with_own_global_scales(fmt: str) -> None:
+@pytest.mark.parametrize("n,k", SHAPES_7B + [(200, 160)])
+def test_humming_bf16_scales_layout_same_values(n: int, k: int) -> None:
+    """NVFP4 with the group scales widened to bf16 and the global scale as ``col_scale``: the same
+    product as the compressed-tensors layout (to accumulation order) and the float32 reference;
+    our buffers untouched."""
+    from qerl.kernels.humming_gemm import HummingFp4
+
+    t = _quant(n, k, "nvfp4")
+    before = {name: v.clone() for name, v in t.items()}
+    wide, ct = HummingFp4("nvfp4", _members(t), layout="bf16_scales"), HummingFp4("nvfp4", _members(t))
+    assert wide.kind == "nvfp4_bf16_scales" and wide.col_scale.shape == (n,)
+    assert torch.allclose(wide.col_scale, 1 / t["weight_global_scale"].float().expand(n))
+    for m in (1, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = wide(x).float() * wide.col_scale
+        assert _rel(y, _ref(x, t, "nvfp4")) < TOL
+        assert _rel(y, ct(x)) < TOL
+    assert all(torch.equal(t[name].view(torch.uint8), before[name].view(torch.uint8))
+               for name in t)
+
+
+@humming
+def test_humming_bf16_scales_layout_refuses_mxfp4() -> None:
+    from qerl.kernels.humming_gemm import HummingFp4
+
+    t = _quant(256, 256, "mxfp4")
+    with pytest.raises(ValueError, match="nvfp4 only"):
+        HummingFp4("mxfp4", _members(t), layout="bf16_scales")
+
+
+@humming
+@pytest.mark.parametrize("fmt,layout", [(f, "ct") for f in FMTS] + [("nvfp4", "bf16_scales")])
+def test_humming_stacked_members_with_own_global_scales(fmt: str, layout: str) -> None:
     """q/k/v as one GEMM: NVFP4 members keep their own global scales via ``col_scale``."""
     from qerl.kernels.humming_gemm import HummingFp4
 
     parts = [_quant(n, 3584, fmt, s) for n, s in ((3584, 0.02), (512, 0.05), (512, 0.01))]
-    g = HummingFp4(fmt, [m for t in parts for m in _members(t)])
+    g = HummingFp4(fmt, [m for t in parts for m in _members(t)], layout=layout)
     assert (g.col_scale is not None) == (fmt == "nvfp4")
     x = torch.randn(64, 3584, device="cuda", dtype=torch.bfloat16)
     y = g(x).float()

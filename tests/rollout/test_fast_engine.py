@@ -318,6 +318,8 @@ def test_bad_engine_options() -> None:
             FastEngine(attention_splits=bad)
     with pytest.raises(ValueError, match="lora_kernel must be fused or cublas"):
         FastEngine(lora_kernel="triton")
+    with pytest.raises(ValueError, match="humming_layout must be ct or bf16_scales"):
+        FastEngine(humming_layout="e4m3")
     with pytest.raises(ValueError, match="EOS"):
         FastEngine(backend="torch").generate(_model("qwen2"), PROMPTS, SamplingParams(
             n=1, greedy=True, max_new_tokens=2, eos_token_ids=tuple(range(9))))
@@ -438,13 +440,15 @@ def test_gpu_waves_match_teacher_forcing() -> None:
 
 class _FakeHumming:
     """CPU stand-in for ``HummingFp4`` with its contract: members stacked along N, NVFP4 with
-    distinct global scales run with global 1 and report ``col_scale = 1 / global``."""
+    distinct global scales (or any NVFP4 in the ``bf16_scales`` layout) run with global 1 and
+    report ``col_scale = 1 / global``."""
 
-    def __init__(self, fmt, members, bias=None, dtype=torch.bfloat16):
+    def __init__(self, fmt, members, bias=None, dtype=torch.bfloat16, layout="ct"):
         from qerl.quant.formats import FORMATS
 
         gs = [m[2] for m in members]
-        distinct = fmt == "nvfp4" and len({float(g) for g in gs}) > 1
+        self.layout = layout
+        distinct = fmt == "nvfp4" and (len({float(g) for g in gs}) > 1 or layout == "bf16_scales")
         ws = []
         for packed, scale, g in members:
             t = {"weight_packed": packed, "weight_scale": scale}
@@ -459,11 +463,13 @@ class _FakeHumming:
         return (x.float() @ self.w.t()).to(x.dtype)
 
 
-@pytest.mark.parametrize("fp4", ["humming", "torch"])
-def test_group_gemm_paths_equal_peft(monkeypatch: pytest.MonkeyPatch, fp4: str) -> None:
-    """The CUDA group paths' plumbing (humming: stacked GEMM, per-column scales; torch: all
-    members dequantized into the shared scratch, one GEMM; both: group bias, batched LoRA)
-    against peft's modules, with humming replaced by a CPU stand-in of its contract."""
+@pytest.mark.parametrize("fp4,layout", [("humming", "ct"), ("humming", "bf16_scales"),
+                                         ("torch", "ct")])
+def test_group_gemm_paths_equal_peft(monkeypatch: pytest.MonkeyPatch, fp4: str, layout: str) -> None:
+    """The CUDA group paths' plumbing (humming: stacked GEMM, per-column scales, also for a single
+    member in the ``bf16_scales`` layout; torch: all members dequantized into the shared scratch,
+    one GEMM; both: group bias, batched LoRA) against peft's modules, with humming replaced by a
+    CPU stand-in of its contract."""
     from peft import LoraConfig, get_peft_model
 
     from qerl.kernels import humming_gemm
@@ -477,16 +483,21 @@ def test_group_gemm_paths_equal_peft(monkeypatch: pytest.MonkeyPatch, fp4: str) 
     model.to(torch.bfloat16)
     plan = build_plan(model)
     refresh_lora(plan)
-    gemms = {id(g): GroupGemm(g, fp4, torch.bfloat16) for g in plan.groups()}
+    gemms = {id(g): GroupGemm(g, fp4, torch.bfloat16, layout=layout) for g in plan.groups()}
     lay = plan.layers[0]
     assert (gemms[id(lay.qkv)].humming is not None) == (fp4 == "humming")
     assert (gemms[id(lay.qkv)].col_scale is not None) == (fp4 == "humming")
+    assert (gemms[id(lay.o)].col_scale is not None) == (layout == "bf16_scales")
+    if fp4 == "humming":
+        assert gemms[id(lay.qkv)].humming.layout == layout
     assert gemms[id(plan.lm_head)].humming is None  # dense: not a humming group
     at = model.base_model.model.model.layers[0].self_attn
     x = torch.randn(6, 64).to(torch.bfloat16)
     with torch.no_grad():
         outs = group_forward(TorchContext(gemms=gemms), lay.qkv, x)
-        for ours, ref in zip(outs, [at.q_proj(x), at.k_proj(x), at.v_proj(x)], strict=True):
+        outs += group_forward(TorchContext(gemms=gemms), lay.o, x)
+        refs = [at.q_proj(x), at.k_proj(x), at.v_proj(x), at.o_proj(x)]
+        for ours, ref in zip(outs, refs, strict=True):
             assert float((ours.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 

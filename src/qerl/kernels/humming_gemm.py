@@ -9,6 +9,13 @@ consumer of the output to apply (the rollout engine's epilogue kernels do; exact
 scale is applied to the float32 accumulator's rounding in the same way as a fused scale would be
 up to one bf16 rounding); a single weight, MXFP4, or equal global scales need no such factor.
 
+Layouts of humming's copy (``layout``; the compressed-tensors buffers on disk and in the model never
+change): ``"ct"`` hands humming our tensors as they are (NVFP4: E4M3 group scales, the global
+scale in the kernel); ``"bf16_scales"`` (NVFP4 only) gives it the same E2M1 codes with the E4M3
+group scales widened to bf16 (exact: an E4M3 value has 4 significant bits) and every global scale
+as ``col_scale``, so the kernel's dequantization is one bf16 multiply per weight pair instead of
+an E4M3 conversion first. Same values, 2 instead of 1 scale bytes per 16 weights (+11 % bytes).
+
 Kernel choice per row count ``M``: tuned configurations from :mod:`qerl.kernels.tuning` (humming's
 tuner candidates, timed on this GPU and cached in a file) for the ``M`` they were tuned at and the
 ``M`` below down to the previous tuned one, humming's own heuristic choice elsewhere; one
@@ -25,7 +32,9 @@ import torch
 
 from qerl.quant.formats import FORMATS
 
-__all__ = ["HummingFp4", "config_string", "humming_weight_config", "precompile"]
+__all__ = ["LAYOUTS", "HummingFp4", "config_string", "humming_weight_config", "precompile"]
+
+LAYOUTS = ("ct", "bf16_scales")
 
 PAD_N = 256  # humming's tiles need N and K in whole tiles; padding is free for the model shapes
 PAD_K = 128
@@ -45,9 +54,13 @@ def config_string(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True, default=plain)
 
 
-def humming_weight_config(fmt: str) -> dict:
-    """humming's ``weight_config`` for our stored layout (compressed-tensors schema)."""
+def humming_weight_config(fmt: str, layout: str = "ct") -> dict:
+    """humming's ``weight_config`` for our stored layout (compressed-tensors schema), or for the
+    ``bf16_scales`` layout (humming's own schema: E2M1 codes, bf16 group scales, no global)."""
     spec = FORMATS[fmt]
+    if layout == "bf16_scales":
+        return {"quant_method": "humming", "b_dtype": "float4e2m1", "bs_dtype": "bfloat16",
+                "group_size": spec.block_size}
     return {"quant_method": "compressed-tensors", "format": spec.ct_format, "type": "float",
             "num_bits": 4, "strategy": spec.ct_strategy, "group_size": spec.block_size}
 
@@ -61,13 +74,22 @@ class HummingFp4:
             with the same K, on one CUDA device.
         bias: optional ``[sum N]`` bias added by the kernel (only for ``col_scale is None``).
         dtype: activation / output dtype (bf16 or fp16).
+        layout: humming's copy, ``"ct"`` or ``"bf16_scales"`` (see the module docstring).
     """
 
     def __init__(self, fmt: str, members: Sequence[tuple[torch.Tensor, torch.Tensor,
                                                            torch.Tensor | None]],
-                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
+                 layout: str = "ct") -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"HummingFp4: layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout == "bf16_scales" and fmt != "nvfp4":
+            raise ValueError(f"HummingFp4: layout 'bf16_scales' is for nvfp4 only, got {fmt!r}")
+        if layout == "bf16_scales" and dtype != torch.bfloat16:
+            raise ValueError("HummingFp4: layout 'bf16_scales' needs bf16 activations")
         packed = [m[0] for m in members]
-        self.fmt, self.dtype = fmt, dtype
+        self.fmt, self.dtype, self.layout = fmt, dtype, layout
+        self.kind = fmt if layout == "ct" else f"{fmt}_{layout}"  # the tuning cache's key
         self.device = packed[0].device
         self.n_sizes = [int(p.shape[0]) for p in packed]
         self.n, self.k = sum(self.n_sizes), int(packed[0].shape[1]) * 2
@@ -77,11 +99,16 @@ class HummingFp4:
                    else packed[0].clone(),
                    "weight_scale": torch.cat([m[1] for m in members]).contiguous()}
         self.col_scale: torch.Tensor | None = None
-        if FORMATS[fmt].has_global_scale:
+        if layout == "bf16_scales":
+            self.col_scale = self._col_scale(members)
+            scale = tensors["weight_scale"]
+            tensors = {"weight": tensors["weight_packed"].view(torch.int32),
+                       "weight_scale": (scale if scale.dtype == torch.float8_e4m3fn
+                                        else scale.view(torch.float8_e4m3fn)).to(dtype)}
+        elif FORMATS[fmt].has_global_scale:
             gs = torch.cat([m[2].reshape(1).float() for m in members])
             if len(members) > 1 and bool((gs != gs[0]).any()):
-                self.col_scale = torch.cat([torch.full((n,), 1.0, device=self.device) / g
-                                            for n, g in zip(self.n_sizes, gs, strict=True)])
+                self.col_scale = self._col_scale(members)
                 gs = torch.ones(1, device=self.device)
             tensors["weight_global_scale"] = gs[:1].clone()
         if bias is not None:
@@ -89,12 +116,17 @@ class HummingFp4:
                 raise ValueError("HummingFp4: a bias with per-column scales must be added by the "
                                  "consumer of the output")
             tensors["bias"] = bias.detach().to(dtype).contiguous()
-        self.layer = _build_layer(tensors, self.n, self.k, fmt, bias is not None, dtype,
-                                  self.device)
+        self.layer = _build_layer(tensors, self.n, self.k, humming_weight_config(fmt, layout),
+                                  bias is not None, dtype, self.device)
         from qerl.kernels import tuning
 
-        self._tuned = tuning.lookup(fmt, self.n, self.k, dtype, self.device)
+        self._tuned = tuning.lookup(self.kind, self.n, self.k, dtype, self.device)
         self._tuning: dict[int, str] = {}
+
+    def _col_scale(self, members) -> torch.Tensor:
+        """``1 / weight_global_scale`` of each member, repeated over its output columns."""
+        return torch.cat([torch.full((n,), 1.0, device=self.device) / m[2].reshape(1).float()
+                          for n, m in zip(self.n_sizes, members, strict=True)])
 
     # -- kernel choice ------------------------------------------------------------------------
 
@@ -130,8 +162,8 @@ class HummingFp4:
         return sum(p.numel() * p.element_size() for p in self.layer.parameters())
 
 
-def _build_layer(tensors: dict[str, torch.Tensor], n: int, k: int, fmt: str, has_bias: bool,
-                 dtype: torch.dtype, device: torch.device):
+def _build_layer(tensors: dict[str, torch.Tensor], n: int, k: int, weight_config: dict,
+                 has_bias: bool, dtype: torch.dtype, device: torch.device):
     """A transformed ``HummingLayer`` holding humming's copy of ``tensors`` (ours untouched).
 
     The layer is made on the meta device and given our tensors as its parameters (no extra
@@ -139,7 +171,7 @@ def _build_layer(tensors: dict[str, torch.Tensor], n: int, k: int, fmt: str, has
     ``load_from_tensors`` (a copy), ``transform``."""
     from humming.layer import HummingLayer
 
-    kw = dict(shape_n=n, shape_k=k, weight_config=humming_weight_config(fmt),
+    kw = dict(shape_n=n, shape_k=k, weight_config=weight_config,
               pad_n_to_multiple=PAD_N, pad_k_to_multiple=PAD_K, has_bias=has_bias,
               torch_dtype=dtype)
     try:

@@ -90,10 +90,11 @@ def compile_within(items: Iterable[str], compile_one: Callable[[str], bool], dea
 
 def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
                dtype: torch.dtype = torch.bfloat16, log=print,
-               deadline: float = float("inf")) -> dict:
-    """Tune one GEMM shape on the current GPU; returns ``{M: {"config", "us", "heuristic_us"}}``
-    and writes the winners to :func:`cache_path`. Candidates still compiling at ``deadline`` are
-    left out (humming's heuristic choice is always among the timed ones)."""
+               deadline: float = float("inf"), layout: str = "ct") -> dict:
+    """Tune one GEMM shape (in humming's ``layout`` of it) on the current GPU; returns
+    ``{M: {"config", "us", "heuristic_us"}}`` and writes the winners to :func:`cache_path`.
+    Candidates still compiling at ``deadline`` are left out (humming's heuristic choice is always
+    among the timed ones)."""
     from humming.config import ComputeConfig
     from humming.kernel.humming import HummingKernel
     from humming.testing.tuning import sample_test_tuning_configs
@@ -107,10 +108,10 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
     t = FORMATS[fmt].quantize(w)
     del w
     gemm = HummingFp4(fmt, [(t["weight_packed"], t["weight_scale"],
-                             t.get("weight_global_scale"))], dtype=dtype)
+                             t.get("weight_global_scale"))], dtype=dtype, layout=layout)
     lc = gemm.layer_config()
     heur = {m: get_heuristics_config(lc, shape_m=m, device=dev) for m in ms}
-    cached = lookup(fmt, n, k, dtype, dev)  # the configs tuned before compete too: no regression
+    cached = lookup(gemm.kind, n, k, dtype, dev)  # the configs tuned before compete too: no regression
     cands = [c for h in heur.values() for c in neighbours(dict(h))]
     cands += [cached[m] for m in ms if m in cached]
     if samples:
@@ -134,7 +135,7 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
                                + [config_string(cached[m]) for m in ms if m in cached]))
     legal = compile_within(first, compile_one, float("inf")) + compile_within(
         [s for s in unique if s not in first], compile_one, deadline)
-    log(f"  {fmt} {n}x{k}: {len(legal)} of {len(unique)} candidates compiled in "
+    log(f"  {gemm.kind} {n}x{k}: {len(legal)} of {len(unique)} candidates compiled in "
         f"{time.perf_counter() - t0:.1f}s" + (f"; {len(errors)} failed, e.g. {errors[0]}" if errors else ""))
     result = {}
     for m in ms:
@@ -163,7 +164,7 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
         log(f"    M={m}: best {best_us:.1f} us (heuristic {h_us if h_us is None else round(h_us, 1)}"
             f" us) of {len(timings)}")
     if result:
-        _store(cache_path(dev), _key(fmt, n, k, dtype),
+        _store(cache_path(dev), _key(gemm.kind, n, k, dtype),
                {m: r["config"] for m, r in result.items()}, {"gpu": torch.cuda.get_device_name(dev)})
     return result
 
@@ -172,6 +173,8 @@ def main() -> None:  # pragma: no cover - GPU only
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b,32b")
     ap.add_argument("--formats", default="nvfp4,mxfp4")
+    ap.add_argument("--layouts", default="ct",
+                    help="humming layouts to tune (ct, bf16_scales; bf16_scales is nvfp4 only)")
     ap.add_argument("--ms", default="1,32,64,128")
     ap.add_argument("--samples", type=int, default=0, help="extra candidates from humming's sampler")
     ap.add_argument("--only", default=None,
@@ -186,14 +189,17 @@ def main() -> None:  # pragma: no cover - GPU only
     only = set(args.only.split(",")) if args.only else None
     shapes = dict.fromkeys((n, k) for mdl in args.models.split(",")
                            for name, n, k in model_gemm_shapes(mdl) if only is None or name in only)
-    for fmt in args.formats.split(","):
-        for n, k in shapes:
+    kinds = [(f, lay) for f in args.formats.split(",") for lay in args.layouts.split(",")
+             if lay == "ct" or f == "nvfp4"]
+    for n, k in shapes:
+        for fmt, layout in kinds:
             if time.perf_counter() - t0 > args.budget_s:
-                print(f"budget of {args.budget_s:.0f}s spent; {fmt} {n}x{k} not tuned", flush=True)
+                print(f"budget of {args.budget_s:.0f}s spent; {fmt}/{layout} {n}x{k} not tuned",
+                      flush=True)
                 continue
             res = tune_shape(fmt, n, k, ms, args.samples, log=lambda s: print(s, flush=True),
-                             deadline=t0 + args.budget_s)
-            report.append({"fmt": fmt, "n": n, "k": k,
+                             deadline=t0 + args.budget_s, layout=layout)
+            report.append({"fmt": fmt, "layout": layout, "n": n, "k": k,
                            **{str(m): {"us": r["us"], "heuristic_us": r["heuristic_us"]}
                               for m, r in res.items()}})
             if args.json:

@@ -65,6 +65,9 @@ class FastEngine:
             :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
             most 1 row a wave, the kernel's first-use check passed); ``"cublas"``: two cuBLAS
             GEMMs a group always.
+        humming_layout: humming's copy of NVFP4 weights (:mod:`qerl.kernels.humming_gemm`):
+            ``"ct"`` (the compressed-tensors layout, E4M3 group scales) or ``"bf16_scales"``
+            (the same codes with bf16 group scales, every global scale applied by the epilogue).
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
@@ -85,11 +88,14 @@ class FastEngine:
                  cache_multiple: int = 128, kv_budget_gib: float | None = None,
                  kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
                  keep_state: bool = False, single_copy: bool = False,
-                 attention_splits: int | None = None, lora_kernel: str = "fused") -> None:
+                 attention_splits: int | None = None, lora_kernel: str = "fused",
+                 humming_layout: str = "ct") -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
         if lora_kernel not in ("fused", "cublas"):
             raise ValueError(f"lora_kernel must be fused or cublas, got {lora_kernel!r}")
+        if humming_layout not in ("ct", "bf16_scales"):
+            raise ValueError(f"humming_layout must be ct or bf16_scales, got {humming_layout!r}")
         if attention_splits is not None and (isinstance(attention_splits, bool)
                                              or not isinstance(attention_splits, int)
                                              or not 1 <= attention_splits <= 64):
@@ -110,6 +116,7 @@ class FastEngine:
         self.single_copy = single_copy
         self.attention_splits = attention_splits
         self.lora_kernel = lora_kernel
+        self.humming_layout = humming_layout
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -147,7 +154,8 @@ class FastEngine:
             self._gemms, self._state = None, None
             gemms = {}
             for g in plan.groups():  # one group at a time, so single_copy never holds both copies
-                gm = gemms[id(g)] = GroupGemm(g, fp4, plan.dtype, humming_only=self.single_copy)
+                gm = gemms[id(g)] = GroupGemm(g, fp4, plan.dtype, humming_only=self.single_copy,
+                                              layout=self.humming_layout)
                 if self.single_copy and gm.humming is not None:
                     park_group(self._parking, g)
             self._gemms = gemms

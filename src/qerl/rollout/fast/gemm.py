@@ -3,7 +3,8 @@ scales still to apply when :attr:`GroupGemm.col_scale` is set).
 
 * all members FP4 of one format, backend ``humming``, at most ``humming_max_m()`` rows (any
   number with ``humming_only``): one humming GEMM for the whole group (q/k/v or gate/up stacked
-  along N), prepared once per plan;
+  along N), prepared once per plan, in humming's ``layout`` of the weights (NVFP4 in bf16 only:
+  ``"bf16_scales"`` widens the group scales to bf16, see :mod:`qerl.kernels.humming_gemm`);
 * all members FP4 otherwise: the Triton (or torch) dequantize of every member into the shared
   scratch, then one cuBLAS GEMM;
 * anything else member by member (dense ``F.linear``, FP4 through the scratch, other modules
@@ -28,7 +29,7 @@ class GroupGemm:
     """Runs ``x @ W_i^T`` for every member ``i`` of ``group`` (see the module docstring)."""
 
     def __init__(self, group: Group, backend: str, dtype: torch.dtype,
-                 humming_only: bool = False) -> None:
+                 humming_only: bool = False, layout: str = "ct") -> None:
         self.group = group
         self.backend = backend
         self.dtype = dtype
@@ -37,9 +38,12 @@ class GroupGemm:
         if backend == "humming" and group.all_fp4 and dtype in (torch.bfloat16, torch.float16):
             from qerl.kernels import humming_gemm
 
+            fmt = group.members[0].fmt
+            if fmt != "nvfp4" or dtype != torch.bfloat16:
+                layout = "ct"  # bf16_scales exists for NVFP4 with bf16 activations only
             try:
                 self.humming = humming_gemm.HummingFp4(
-                    group.members[0].fmt, [m.fp4_tensors() for m in group.members], dtype=dtype)
+                    fmt, [m.fp4_tensors() for m in group.members], dtype=dtype, layout=layout)
             except Exception as e:  # noqa: BLE001 - degrade to the dequantize path, loudly
                 warnings.warn(f"humming could not prepare {group.members[0].name} "
                               f"({type(e).__name__}: {e}); it runs through the Triton dequantize "
