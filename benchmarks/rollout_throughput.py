@@ -11,9 +11,10 @@ Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts
 ``fast_nvfp4`` / ``fast_mxfp4`` (our engine, 4-bit GEMMs by the backend ``qerl.kernels`` resolves
 to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
 ``fast_nvfp4_lora_seq`` (LoRA not overlapped with the base GEMM), ``fast_nvfp4_lora_cublas`` (LoRA as
-two cuBLAS GEMMs a group instead of the fused kernel), ``fast_nvfp4_bf16s`` /
-``fast_nvfp4_lora_bf16s`` (humming's copy of the NVFP4 weights with bf16 group scales,
-``FastEngine(humming_layout="bf16_scales")``). Per cell: tokens/s
+two cuBLAS GEMMs a group instead of the fused kernel),
+``fast_nvfp4_ct`` / ``fast_nvfp4_lora_ct`` (humming's copy of the NVFP4 weights in the stored
+compressed-tensors layout, ``FastEngine(humming_layout="ct")``; the other columns run the engine's
+default, bf16 group scales). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -60,8 +61,8 @@ ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1
         "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
 COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
            "fast_mxfp4_lora"]
-EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_cublas", "fast_nvfp4_bf16s",
-                 "fast_nvfp4_lora_bf16s"]
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_cublas", "fast_nvfp4_ct",
+                 "fast_nvfp4_lora_ct"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
@@ -336,9 +337,9 @@ def with_lora(model, row, B, N, V, record, cols, fmt):
     if fmt == "nvfp4" and "fast_nvfp4_lora_cublas" in cols:
         record("fast_nvfp4_lora_cublas", lambda: run_fast(pm, B, N, V, lora_kernel="cublas"), pm,
                lora_r=32)
-    if fmt == "nvfp4" and "fast_nvfp4_lora_bf16s" in cols:
-        record("fast_nvfp4_lora_bf16s",
-               lambda: run_fast(pm, B, N, V, humming_layout="bf16_scales"), pm, lora_r=32)
+    if fmt == "nvfp4" and "fast_nvfp4_lora_ct" in cols:
+        record("fast_nvfp4_lora_ct", lambda: run_fast(pm, B, N, V, humming_layout="ct"), pm,
+               lora_r=32)
     model = pm.unload()
     gc.collect()
     torch.cuda.empty_cache()
@@ -445,9 +446,8 @@ def main() -> None:
                   f"{model_bytes(model) / GiB:.1f} GiB", flush=True)
         if "fast_nvfp4" in cols:
             record("fast_nvfp4", lambda: run_fast(model, B, N, V), model)
-        if "fast_nvfp4_bf16s" in cols:
-            record("fast_nvfp4_bf16s",
-                   lambda: run_fast(model, B, N, V, humming_layout="bf16_scales"), model)
+        if "fast_nvfp4_ct" in cols:
+            record("fast_nvfp4_ct", lambda: run_fast(model, B, N, V, humming_layout="ct"), model)
         if any(c.startswith("fast_nvfp4_lora") for c in cols):
             model = with_lora(model, row, B, N, V, record, cols, "nvfp4")
         if any(c.startswith("fast_mxfp4") for c in cols) or ("hf_nf4" in cols and run_hf_here):

@@ -383,6 +383,9 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
             # every decoder group runs as one humming GEMM (only the dense LM head does not)
             expected = 4 * model.config.num_hidden_layers if fp4 == "humming" else 0
             assert eng.last_stats["humming_groups"] == expected
+            if fp4 == "humming":  # the engine's default layout (NVFP4: bf16 group scales)
+                assert eng.last_stats["humming_layouts"] == (
+                    ["bf16_scales"] if fmt == "nvfp4" else ["ct"])
         ref = _teacher_forced_logprobs(model, out, 1.0)
         err = (out.logprobs - ref).abs()
         assert err.mean() < 0.05 and err.max() < 0.5, (err.mean(), err.max())

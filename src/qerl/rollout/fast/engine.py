@@ -67,7 +67,8 @@ class FastEngine:
             GEMMs a group always.
         humming_layout: humming's copy of NVFP4 weights (:mod:`qerl.kernels.humming_gemm`):
             ``"ct"`` (the compressed-tensors layout, E4M3 group scales) or ``"bf16_scales"``
-            (the same codes with bf16 group scales, every global scale applied by the epilogue).
+            (the default: the same codes with bf16 group scales, every global scale applied by
+            the epilogue; 3-4 % less humming time a 7B decode step on the H200, run 24).
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
@@ -89,7 +90,7 @@ class FastEngine:
                  kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
                  keep_state: bool = False, single_copy: bool = False,
                  attention_splits: int | None = None, lora_kernel: str = "fused",
-                 humming_layout: str = "ct") -> None:
+                 humming_layout: str = "bf16_scales") -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
         if lora_kernel not in ("fused", "cublas"):
@@ -245,8 +246,11 @@ class FastEngine:
         if not sp.eos_token_ids:
             done.zero_()
         humming = sum(gm.humming is not None for gm in gemms.values()) if gemms else 0
+        layouts = sorted({gm.humming.layout for gm in gemms.values() if gm.humming is not None}
+                         if gemms else ())
         self.last_stats = {"backend": backend, "fp4_backend": self._gemm_backend,
-                           "humming_groups": humming, "parked_gib": self._parking.nbytes() / GiB,
+                           "humming_groups": humming, "humming_layouts": layouts,
+                           "parked_gib": self._parking.nbytes() / GiB,
                            "rows": N,
                            "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
                            "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None,
