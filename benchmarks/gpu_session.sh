@@ -81,6 +81,9 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     rollout7b1)
       timeout ${R1_TIMEOUT:-90} python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
         --columns ${COLS_7B1:-fast_bf16,fast_nvfp4,fast_nvfp4_lora} --json "$OUT/rollout_7b1.json" ;;
+    rollout7b8)
+      timeout ${R8_TIMEOUT:-90} python3 benchmarks/rollout_throughput.py --rows 7b-8 \
+        --columns ${COLS_7B8:-fast_bf16,fast_nvfp4_lora} --json "$OUT/rollout_7b8.json" ;;
     rollout7b1long)  # B=1, 2048 new tokens: the decode attention split over the KV slots, and not
       timeout 150 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k \
         --columns fast_bf16,fast_nvfp4_lora --json "$OUT/rollout_7b1long.json"

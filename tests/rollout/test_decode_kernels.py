@@ -289,11 +289,14 @@ def test_fused_lora_equals_two_gemms(dt, m, k, out_f, ranks) -> None:
     x, a, b, ref = _lora_problem(m, k, out_f, ranks, dt)
     lau = L.LoraLaunch(out_f, ranks, k, torch.device(DEV))
     acc = torch.zeros(lau.acc_numel(m), device=DEV)
-    cnt = torch.zeros(3, dtype=torch.int32, device=DEV)
-    out = torch.full((m, sum(out_f)), float("nan"), device=DEV, dtype=dt)
-    for _ in range(3):  # each launch must find the counters and accumulator the previous one cleared
+    assert acc.numel() == 2 * m * sum(ranks)  # two buffers, alternate launches
+    cnt = torch.zeros(2, dtype=torch.int64, device=DEV)
+    for i in range(1, 4):  # each launch runs on the state the previous one left
+        out = torch.full((m, sum(out_f)), float("nan"), device=DEV, dtype=dt)
         L.fused_lora(x, a, b, out, acc, cnt, lau)
-        assert cnt.tolist() == [0, 0, 0] and not bool(acc.any())
+        assert cnt.tolist() == [i * lau.programs(), i * lau.split]  # tickets, shrinks done
+        nxt = acc.view(2, -1)[i % 2]  # the buffer launch i + 1 adds into: cleared by launch i
+        assert not bool(nxt.any())
         assert _rel(out, ref) < TOL[dt], _rel(out, ref)
     assert _rel(out, L.lora_torch(x, a, b)) < TOL[dt]
 
@@ -304,6 +307,11 @@ def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
     with pytest.raises(ValueError, match=f"at most {L.MAX_ROWS} rows"):
         L.fused_lora(x, a, b, torch.empty(x.shape[0], 32, device=DEV, dtype=x.dtype),
                      torch.empty(lau.acc_numel(x.shape[0]), device=DEV),
+                     torch.zeros(2, dtype=torch.int64, device=DEV), lau)
+    x, a, b, _ = _lora_problem(2, 64, [32], [16], DTYPES[0])
+    with pytest.raises(ValueError, match="int64 counters"):
+        L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
+                     torch.zeros(lau.acc_numel(2), device=DEV),
                      torch.zeros(3, dtype=torch.int32, device=DEV), lau)
 
 
@@ -321,11 +329,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qerl.rollout.fast import lora as L
 P = {"x_ptr": "*bf16", "sx": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr": "*fp32",
-     "lo_ptr": "*bf16", "slo": "i32", "cnt_ptr": "*i32", "r0_ptr": "*i32", "M": "i32", "K": "i32",
+     "lo_ptr": "*bf16", "slo": "i32", "cnt_ptr": "*i64", "r0_ptr": "*i32", "M": "i32", "K": "i32",
      "R": "i32", "N": "i32", "SPLIT": "i32"}
 fn = L._lora_kernel
 for bm, br, bk in ((16, 128, 128), (64, 32, 256)):
-    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, DT=tl.bfloat16)
+    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, ZB=64, DT=tl.bfloat16)
     sig = {a: ("constexpr" if a in const else P[a]) for a in fn.arg_names}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]

@@ -318,6 +318,9 @@ def test_bad_engine_options() -> None:
             FastEngine(attention_splits=bad)
     with pytest.raises(ValueError, match="lora_kernel must be fused or cublas"):
         FastEngine(lora_kernel="triton")
+    for bad in (0, 65, True, 1.0):
+        with pytest.raises(ValueError, match="fused_lora_max_rows must be an int in 1..64"):
+            FastEngine(fused_lora_max_rows=bad)
     with pytest.raises(ValueError, match="humming_layout must be ct or bf16_scales"):
         FastEngine(humming_layout="e4m3")
     with pytest.raises(ValueError, match="EOS"):

@@ -33,7 +33,7 @@ def test_launch_gives_each_shrink_program_one_slice_of_128_or_256_features() -> 
         assert (lau.k_per, lau.split) == (k_per, split), in_f
         assert (lau.split - 1) * lau.k_per < in_f <= lau.split * lau.k_per
     lau = LoraLaunch([3584, 512, 512], [32, 32, 32], 3584, torch.device("cpu"))
-    assert lau.n_tiles == 36 and lau.r0.dtype == torch.int32 and lau.acc_numel(64) == 64 * 96
+    assert lau.n_tiles == 36 and lau.r0.dtype == torch.int32 and lau.acc_numel(64) == 2 * 64 * 96 and lau.programs() == 28 + 36
 
 
 def test_reference_is_the_two_gemm_product() -> None:

@@ -41,7 +41,7 @@ def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | Non
         st.side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st.side) if st.side is not None else contextlib.nullcontext():
         if st.lora_cnt is not None:
-            fused_lora(x, g.a_cat, g.b_full, lo, st.lora_acc[kind], st.lora_cnt,
+            fused_lora(x, g.a_cat, g.b_full, lo, st.lora_acc[kind], st.lora_cnt[kind],
                        st.lora_launch[kind])
         else:
             xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)

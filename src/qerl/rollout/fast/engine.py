@@ -36,7 +36,7 @@ from qerl.rollout.base import RolloutBatch, SamplingParams
 from qerl.rollout.fast import decode
 from qerl.rollout.fast.gemm import GroupGemm
 from qerl.rollout.fast.kernels import HAS_TRITON
-from qerl.rollout.fast.lora import FUSED_MAX_M, fused_lora_ok
+from qerl.rollout.fast.lora import FUSED_MAX_M, MAX_ROWS, fused_lora_ok
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
 from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
@@ -63,8 +63,11 @@ class FastEngine:
         lora_overlap: run the LoRA on a side stream (CUDA).
         lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
             :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
-            most 1 row a wave, the kernel's first-use check passed); ``"cublas"``: two cuBLAS
-            GEMMs a group always.
+            most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
+            ``"cublas"``: two cuBLAS GEMMs a group always.
+        fused_lora_max_rows: the most rows a wave may have for the fused LoRA kernel (1 to
+            :data:`qerl.rollout.fast.lora.MAX_ROWS`; default :data:`~qerl.rollout.fast.lora.FUSED_MAX_M`,
+            where it measured faster than the cuBLAS pair).
         humming_layout: humming's copy of NVFP4 weights (:mod:`qerl.kernels.humming_gemm`):
             ``"ct"`` (the compressed-tensors layout, E4M3 group scales) or ``"bf16_scales"``
             (the default: the same codes with bf16 group scales, every global scale applied by
@@ -90,11 +93,16 @@ class FastEngine:
                  kv_budget_fraction: float = 0.85, lora_overlap: bool = True,
                  keep_state: bool = False, single_copy: bool = False,
                  attention_splits: int | None = None, lora_kernel: str = "fused",
+                 fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales") -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
         if lora_kernel not in ("fused", "cublas"):
             raise ValueError(f"lora_kernel must be fused or cublas, got {lora_kernel!r}")
+        if isinstance(fused_lora_max_rows, bool) or not isinstance(fused_lora_max_rows, int) \
+                or not 1 <= fused_lora_max_rows <= MAX_ROWS:
+            raise ValueError(f"fused_lora_max_rows must be an int in 1..{MAX_ROWS} (the rows the "
+                             f"kernel takes), got {fused_lora_max_rows!r}")
         if humming_layout not in ("ct", "bf16_scales"):
             raise ValueError(f"humming_layout must be ct or bf16_scales, got {humming_layout!r}")
         if attention_splits is not None and (isinstance(attention_splits, bool)
@@ -117,6 +125,7 @@ class FastEngine:
         self.single_copy = single_copy
         self.attention_splits = attention_splits
         self.lora_kernel = lora_kernel
+        self.fused_lora_max_rows = fused_lora_max_rows
         self.humming_layout = humming_layout
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
@@ -339,7 +348,8 @@ class FastEngine:
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
         side = self._stream(plan.device, "lora") if self.lora_overlap else None
-        fused = (self.lora_kernel == "fused" and backend == "triton" and rows <= FUSED_MAX_M
+        fused = (self.lora_kernel == "fused" and backend == "triton"
+                 and rows <= self.fused_lora_max_rows
                  and any(g.r_total for g in plan.groups()) and fused_lora_ok(plan.device, plan.dtype))
         self._state = new_state(plan, key, rows, cap, T, mode, side, self.attention_splits, fused)
         return self._state

@@ -6,17 +6,23 @@ of mostly idle multiprocessors (docs/benchmarks.md: about 1 ms a 7B step at B=64
 launch does both halves, for up to :data:`MAX_ROWS` rows; the engine uses it up to
 :data:`FUSED_MAX_M` rows, where it measured faster than the cuBLAS pair:
 
-* every program first takes a ticket (an atomic counter), so tickets follow the order in which
-  programs actually started;
-* the first ``split`` tickets each compute the shrink over one slice of 128 (or 256) input
-  features, add it into a float32 ``[M, R]`` accumulator (atomic adds) and count themselves done
-  (release);
-* the other tickets each own ``BLOCK_N`` output columns: they wait until all shrink tickets are
-  done (acquire), read the rank slice of the accumulator their columns use (``b_full`` is block
-  diagonal: a tile inside one member reads only that member's rank slice), round it to the model
-  dtype (where the cuBLAS path rounds its shrink output) and write ``xa_slice b_tile^T``;
-* the last program to finish clears the accumulator and puts the counters back to zero for the
-  next launch (CUDA-graph replays included).
+* every program first takes a ticket from a 64-bit counter that only ever grows (one per group
+  kind, so every launch on it has the same ``P`` programs): ticket ``t`` is local ticket
+  ``t mod P`` of launch ``t div P``, and local tickets follow the order in which programs
+  actually started;
+* the accumulator is two float32 ``[M, R]`` buffers, used by alternate launches;
+* the first ``split`` local tickets each compute the shrink over one slice of 128 (or 256) input
+  features and add it into the launch's buffer (atomic adds), clear their share of the other
+  buffer (the previous launch's: launches on one stream run one after the other, so all its
+  readers are done) and count themselves done (release);
+* the other tickets each own ``BLOCK_N`` output columns: they load their ``b_full`` tile, wait
+  until the done count reaches ``split`` times the launches so far (acquire), read the rank
+  slice of the buffer their columns use (``b_full`` is block diagonal: a tile inside one member
+  reads only that member's rank slice), round it to the model dtype (where the cuBLAS path rounds
+  its shrink output) and write ``xa_slice b_tile^T``.
+
+Nothing is reset at the end of a launch, so no program waits for the others to finish (the
+second version ended with a last-finisher reset of the counters and the buffer; runs 20-25).
 
 Every program is one load round trip plus a few atomics: the first version looped over 512- to
 2,048-feature slices in each shrink program and was slower than cuBLAS at every batch (run 20).
@@ -92,34 +98,42 @@ class LoraLaunch:
         self.split = -(-in_f // self.k_per)
 
     def acc_numel(self, rows: int) -> int:
-        """Float32 accumulator values a launch of ``rows`` rows needs (zero before the first)."""
-        return rows * self.r_total
+        """Float32 accumulator values a launch of ``rows`` rows needs (two buffers; zeros before
+        the first launch)."""
+        return 2 * rows * self.r_total
+
+    def programs(self) -> int:
+        """Programs (tickets) a launch takes."""
+        return self.split + self.n_tiles
 
 
 def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
                acc: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch) -> torch.Tensor:
-    """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``acc``: float32 zeros, at least
-    ``launch.acc_numel(M)``; ``counters``: 3 int32 zeros. Both are left zero by the launch, for
-    the next one (launches sharing them must not run concurrently: one set per stream)."""
+    """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``acc``: float32, at least
+    ``launch.acc_numel(M)``, and ``counters``: int64 ``[2]``, both zeros before their first launch
+    and then only ever passed to launches of the same ``launch`` and ``M``, one at a time (one
+    stream): each launch leaves them as the next one needs them."""
     m, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"fused_lora takes at most {MAX_ROWS} rows, got {m}")
     n, r = b_full.shape
     if x.stride(1) != 1 or not (a_cat.is_contiguous() and b_full.is_contiguous()):
         raise ValueError("fused_lora needs row-major x (unit column stride), a_cat and b_full")
+    if counters.dtype != torch.int64 or counters.numel() < 2:
+        raise ValueError("fused_lora needs int64 counters [2]")
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
     grid = (launch.split + launch.n_tiles,)
     _lora_kernel[grid](x, x.stride(0), a_cat, b_full, acc, out, out.stride(0), counters, launch.r0,
                        m, k, r, n, launch.split,
                        BM=max(16, np2(m)), BK=launch.k_per, BR=max(16, np2(r)), RS=launch.window,
-                       BN=BLOCK_N, DT=dt, num_warps=4)
+                       BN=BLOCK_N, ZB=max(16, np2(-(-m * r // launch.split))), DT=dt, num_warps=4)
     return out
 
 
 def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Once per device and dtype: the kernel agrees with :func:`lora_torch` on a random group of
-    three members (and leaves its counters and accumulator at zero); else a warning and the
-    cuBLAS path."""
+    three members, twice (the second launch on the first's counters and buffers); else a warning
+    and the cuBLAS path."""
     key = (device, dtype)
     if key not in _OK:
         try:
@@ -134,15 +148,18 @@ def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
                 ro, co = ro + rk, co + f
             lau = LoraLaunch(out_f, ranks, k, device)
             acc = torch.zeros(lau.acc_numel(m), device=device)
-            cnt = torch.zeros(3, dtype=torch.int32, device=device)
-            out = torch.full((m, sum(out_f)), float("nan"), device=device, dtype=dtype)
-            for _ in range(2):  # the second launch needs the counters the first reset
-                fused_lora(x, a, b, out, acc, cnt, lau)
+            cnt = torch.zeros(2, dtype=torch.int64, device=device)
             ref = lora_torch(x.float(), a.float(), b.float())
-            err = float((out.float() - ref).norm() / ref.norm())
-            if not err < 2e-2 or int(cnt.abs().sum()) != 0 or bool(acc.any()):
-                raise RuntimeError(f"relative error {err:.3g}, counters {cnt.tolist()}, "
-                                   f"accumulator cleared: {not bool(acc.any())}")
+            errs = []
+            for _ in range(2):  # the second launch runs on the state the first left
+                out = torch.full((m, sum(out_f)), float("nan"), device=device, dtype=dtype)
+                fused_lora(x, a, b, out, acc, cnt, lau)
+                errs.append(float((out.float() - ref).norm() / ref.norm()))
+            want = [2 * lau.programs(), 2 * lau.split]
+            nxt = acc[: m * sum(ranks)]  # the buffer a third launch would add into
+            if not max(errs) < 2e-2 or cnt.tolist() != want or bool(nxt.any()):
+                raise RuntimeError(f"relative errors {errs}, counters {cnt.tolist()} (want {want}), "
+                                   f"next buffer cleared: {not bool(nxt.any())}")
             _OK[key] = True
         except Exception as e:  # noqa: BLE001 - pragma: no cover - depends on the GPU stack
             warnings.warn(f"fast engine: the fused LoRA kernel failed its check for {dtype} ({e!r});"
@@ -156,46 +173,50 @@ if HAS_TRITON:
     @triton.jit
     def _lora_kernel(x_ptr, sx, a_ptr, b_ptr, acc_ptr, lo_ptr, slo, cnt_ptr, r0_ptr, M, K, R, N,
                      SPLIT, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                     RS: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
+                     RS: tl.constexpr, BN: tl.constexpr, ZB: tl.constexpr, DT: tl.constexpr):
         rows = tl.arange(0, BM)
         rmask = rows < M
-        t = tl.atomic_add(cnt_ptr, 1)  # the ticket
-        if t < SPLIT:  # shrink: features [t * BK, (t + 1) * BK), added into acc [M, R]
+        t = tl.atomic_add(cnt_ptr, 1)  # the ticket (int64: it only ever grows)
+        progs = SPLIT + tl.cdiv(N, BN)
+        launch = t // progs
+        lt = t - launch * progs  # the ticket within this launch
+        mr = M * R
+        cur = acc_ptr + (launch % 2) * mr  # this launch's buffer
+        if lt < SPLIT:  # shrink: features [lt * BK, (lt + 1) * BK), added into cur [M, R]
             rr = tl.arange(0, BR)
             rk = rr < R
-            offs = t * BK + tl.arange(0, BK)
+            offs = lt * BK + tl.arange(0, BK)
             km = offs < K
             xt = tl.load(x_ptr + rows[:, None] * sx + offs[None, :],
                          mask=rmask[:, None] & km[None, :], other=0.0)
             at = tl.load(a_ptr + rr[:, None] * K + offs[None, :], mask=rk[:, None] & km[None, :],
                          other=0.0)
             part = tl.dot(xt, tl.trans(at))
-            tl.atomic_add(acc_ptr + rows[:, None] * R + rr[None, :], part,
+            tl.atomic_add(cur + rows[:, None] * R + rr[None, :], part,
                           mask=rmask[:, None] & rk[None, :], sem="relaxed")
+            # clear this ticket's share of the other buffer, which the next launch adds into
+            share = tl.cdiv(mr, SPLIT)
+            z = lt * share + tl.arange(0, ZB)
+            tl.store(acc_ptr + (1 - launch % 2) * mr + z, tl.zeros((ZB,), tl.float32),
+                     mask=(tl.arange(0, ZB) < share) & (z < mr))
             tl.debug_barrier()  # every thread's additions before the one release below
             tl.atomic_add(cnt_ptr + 1, 1, sem="release")
         else:  # expand: columns [tile * BN, (tile + 1) * BN)
-            tile = t - SPLIT
-            done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
-            while done < SPLIT:
-                done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+            tile = lt - SPLIT
             rs = tl.load(r0_ptr + tile) + tl.arange(0, RS)
             rsm = rs < R
-            xa = tl.load(acc_ptr + rows[:, None] * R + rs[None, :],
-                         mask=rmask[:, None] & rsm[None, :], other=0.0, cache_modifier=".cg")
             cols = tile * BN + tl.arange(0, BN)
             cm = cols < N
+            # the b tile does not depend on the shrink: loaded before the wait, so its memory
+            # latency overlaps the shrink programs' work
             b = tl.load(b_ptr + cols[:, None] * R + rs[None, :], mask=cm[:, None] & rsm[None, :],
                         other=0.0)
+            want = (launch + 1) * SPLIT  # every shrink of this launch and of the ones before
+            done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+            while done < want:
+                done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+            xa = tl.load(cur + rows[:, None] * R + rs[None, :],
+                         mask=rmask[:, None] & rsm[None, :], other=0.0, cache_modifier=".cg")
             y = tl.dot(xa.to(DT), tl.trans(b))
             tl.store(lo_ptr + rows[:, None] * slo + cols[None, :], y.to(DT),
                      mask=rmask[:, None] & cm[None, :])
-        fin = tl.atomic_add(cnt_ptr + 2, 1, sem="acq_rel")
-        if fin == SPLIT + tl.cdiv(N, BN) - 1:  # the last one out clears acc and the counters
-            rz = tl.arange(0, BR)
-            tl.store(acc_ptr + rows[:, None] * R + rz[None, :], tl.zeros((BM, BR), tl.float32),
-                     mask=rmask[:, None] & (rz < R)[None, :])
-            tl.debug_barrier()
-            tl.atomic_xchg(cnt_ptr, 0)
-            tl.atomic_xchg(cnt_ptr + 1, 0)
-            tl.atomic_xchg(cnt_ptr + 2, 0, sem="release")

@@ -43,7 +43,7 @@ class State:
     lora_out: dict = field(default_factory=dict)  # per group kind: [rows, N] LoRA output
     lora_launch: dict = field(default_factory=dict)  # per group kind: fused kernel's LoraLaunch
     lora_acc: dict = field(default_factory=dict)  # per group kind: its float32 accumulator
-    lora_cnt: torch.Tensor | None = None  # the fused kernel's counters (None: cuBLAS LoRA)
+    lora_cnt: dict | None = None  # per group kind: the fused kernel's counters (None: cuBLAS LoRA)
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
     side: torch.cuda.Stream | None = None
     graph: object = None
@@ -75,14 +75,15 @@ def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]
     return xa, out
 
 
-def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict, torch.Tensor] | None:
-    """The fused LoRA kernel's launches and accumulators per group kind, and its counters, when it
-    takes this many rows and every layer's group of a kind has the same shape (else ``None``)."""
+def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict, dict] | None:
+    """The fused LoRA kernel's launches, accumulators and counters per group kind (one set per
+    kind: every launch on a set has the same programs), when it takes this many rows and every
+    layer's group of a kind has the same shape (else ``None``)."""
     from qerl.rollout.fast.lora import MAX_ROWS, LoraLaunch
 
     if rows > MAX_ROWS:
         return None
-    launch, acc = {}, {}
+    launch, acc, cnt = {}, {}, {}
     for kind in ("qkv", "o", "gu", "down"):
         shapes = {(tuple(m.out_f for m in g.members), tuple(m.lora_r for m in g.members), g.in_f)
                   for g in (getattr(lay, kind) for lay in plan.layers)}
@@ -92,7 +93,8 @@ def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict, t
         if sum(ranks):
             launch[kind] = LoraLaunch(list(out_f), list(ranks), in_f, dev)
             acc[kind] = torch.zeros(launch[kind].acc_numel(rows), device=dev)
-    return launch, acc, torch.zeros(3, dtype=torch.int32, device=dev)
+            cnt[kind] = torch.zeros(2, dtype=torch.int64, device=dev)
+    return launch, acc, cnt
 
 
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
