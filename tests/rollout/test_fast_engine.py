@@ -330,24 +330,25 @@ def test_bad_engine_options() -> None:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
                     reason="CPU check of the Triton decode step, under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt,splits,lora_kernel,one_row", [
-    (None, 1, "fused", True), ("nvfp4", 1, "fused", True), ("nvfp4", 3, "cublas", False),
-    ("nvfp4", 1, "fused", False)])  # more rows than lora.FUSED_MAX_M: the cuBLAS pair
-def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits, lora_kernel, one_row) -> None:
+@pytest.mark.parametrize("fmt,splits,lora_kernel,one_row,max_rows", [
+    (None, 1, "fused", True, 64), ("nvfp4", 1, "fused", True, 64), ("nvfp4", 3, "cublas", False, 64),
+    ("nvfp4", 1, "fused", False, 64),
+    ("nvfp4", 1, "fused", False, 1)])  # more rows than fused_lora_max_rows: the cuBLAS pair
+def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits, lora_kernel, one_row,
+                                                          max_rows) -> None:
     pytest.importorskip("triton")
-    from qerl.rollout.fast.lora import FUSED_MAX_M
-
     model = _model("qwen2", fmt=fmt, lora=True)
     prompts = PROMPTS[:1] if one_row else PROMPTS
     sp = SamplingParams(n=1 if one_row else 2, temperature=1.0, top_p=0.9, max_new_tokens=6,
                         eos_token_ids=(), pad_token_id=0)
     ref = FastEngine(backend="torch").generate(model, prompts, sp,
                                                generator=torch.Generator().manual_seed(0))
-    eng = FastEngine(backend="triton", attention_splits=splits, lora_kernel=lora_kernel)
+    eng = FastEngine(backend="triton", attention_splits=splits, lora_kernel=lora_kernel,
+                     fused_lora_max_rows=max_rows)
     out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["backend"] == "triton"
     rows = len(prompts) * sp.n
-    assert eng.last_stats["lora_kernel"] == ("fused" if lora_kernel == "fused" and rows <= FUSED_MAX_M
+    assert eng.last_stats["lora_kernel"] == ("fused" if lora_kernel == "fused" and rows <= max_rows
                                              else "cublas")
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=1e-4)

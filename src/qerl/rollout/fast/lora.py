@@ -43,10 +43,10 @@ __all__ = ["FUSED_MAX_M", "MAX_ROWS", "LoraLaunch", "fused_lora", "fused_lora_ok
 
 # Rows the kernel takes (its shrink holds all rows in one block).
 MAX_ROWS = 64
-# Rows up to which the engine uses it instead of the cuBLAS pair. Runs 21-23 (docs/benchmarks.md),
-# ms a decode step, fused vs the pair: 7B B=1 3.83 vs 3.92; 7B B=8 4.66 vs 4.61, 32B B=32 16.92 vs
-# 16.30, 7B B=64 5.70 vs 5.56: ahead only at batch 1.
-FUSED_MAX_M = 1
+# Rows up to which the engine uses it instead of the cuBLAS pair: every row count it takes. Run 27
+# (docs/benchmarks.md), ms a 7B decode step, this version vs the pair: B=1 3.84 vs 3.90, B=8 5.16
+# vs 5.24, B=64 5.36 vs 5.44 (the second version, runs 21-23, was ahead only at B=1).
+FUSED_MAX_M = 64
 BLOCK_N = 128
 _OK: dict = {}
 
