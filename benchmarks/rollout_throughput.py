@@ -10,7 +10,8 @@ Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts
 ``hf_bf16`` (transformers generate), ``hf_nf4`` (bitsandbytes), ``fast_bf16`` (our engine, cuBLAS),
 ``fast_nvfp4`` / ``fast_mxfp4`` (our engine, 4-bit GEMMs by the backend ``qerl.kernels`` resolves
 to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
-``fast_nvfp4_lora_seq`` (LoRA not overlapped with the base GEMM), ``fast_nvfp4_lora_cublas`` (LoRA as
+``fast_nvfp4_lora_seq`` (LoRA on the main stream, ``lora_overlap=False``), ``fast_nvfp4_lora_side``
+(LoRA on a side stream, ``lora_overlap=True``; by default only the cuBLAS pair takes one), ``fast_nvfp4_lora_cublas`` (LoRA as
 two cuBLAS GEMMs a group instead of the fused kernel), ``fast_nvfp4_lora_fused64`` (the fused
 LoRA kernel at every batch up to 64 rows, ``FastEngine(fused_lora_max_rows=64)``),
 ``fast_nvfp4_ct`` / ``fast_nvfp4_lora_ct`` (humming's copy of the NVFP4 weights in the stored
@@ -62,7 +63,7 @@ ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1
         "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
 COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
            "fast_mxfp4_lora"]
-EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_cublas", "fast_nvfp4_ct",
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_side", "fast_nvfp4_lora_cublas", "fast_nvfp4_ct",
                  "fast_nvfp4_lora_ct", "fast_nvfp4_lora_fused64"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
@@ -334,6 +335,9 @@ def with_lora(model, row, B, N, V, record, cols, fmt):
         record(f"fast_{fmt}_lora", lambda: run_fast(pm, B, N, V), pm, lora_r=32)
     if fmt == "nvfp4" and "fast_nvfp4_lora_seq" in cols:
         record("fast_nvfp4_lora_seq", lambda: run_fast(pm, B, N, V, lora_overlap=False), pm,
+               lora_r=32)
+    if fmt == "nvfp4" and "fast_nvfp4_lora_side" in cols:
+        record("fast_nvfp4_lora_side", lambda: run_fast(pm, B, N, V, lora_overlap=True), pm,
                lora_r=32)
     if fmt == "nvfp4" and "fast_nvfp4_lora_cublas" in cols:
         record("fast_nvfp4_lora_cublas", lambda: run_fast(pm, B, N, V, lora_kernel="cublas"), pm,

@@ -429,6 +429,8 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows) -> No
         "sampling kernel fell back"
     want = "none" if not lora else ("fused" if n_rows <= FUSED_MAX_M else "cublas")
     assert eng.last_stats["lora_kernel"] == want
+    # by default only the cuBLAS pair runs on the side stream
+    assert eng.last_stats["lora_stream"] == ("side" if want == "cublas" else "main")
     err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
     assert err.mean() < 0.05, err.mean()
 
