@@ -8,10 +8,9 @@ epilogue), the group GEMMs (humming: q/k/v and gate/up each one GEMM), cuBLAS fo
 and the LM head, and sampling. ``torch`` (any device, no graphs): the same computation in plain
 torch; the CPU tests run it against transformers.
 
-LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): a shrink and an
-expand GEMM per group (cuBLAS, on a side stream, overlapping the base GEMM) whose output the
-consumer kernel adds in its epilogue (an expand inside the consumer kernels instead was measured
-slower on the H200: docs/benchmarks.md). Adapter weights are copied at the start of every
+LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): shrink and expand
+in one launch (:mod:`qerl.rollout.fast.lora`; two cuBLAS GEMMs on a side stream above its rows),
+added by the consumer kernel in its epilogue. Adapter weights are copied at the start of every
 ``generate``; norm weights are read live, so AQN noise applied in place is seen by captured
 graphs; replaced tensors rebuild the plan.
 
@@ -34,13 +33,13 @@ from torch import nn
 from qerl.kernels.backend import resolve_backend
 from qerl.rollout.base import RolloutBatch, SamplingParams
 from qerl.rollout.fast import decode
-from qerl.rollout.fast.gemm import GroupGemm
+from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.lora import FUSED_MAX_M, MAX_ROWS, fused_lora_ok
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
 from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
-from qerl.rollout.fast.state import State, new_state, record, reset_outputs
+from qerl.rollout.fast.state import State, new_state, pad_cols, record, reset_outputs, sync
 from qerl.rollout.fast.torch_forward import TorchContext, forward_tokens
 
 __all__ = ["FastEngine", "FastRolloutEngine"]
@@ -60,21 +59,15 @@ class FastEngine:
         cache_multiple: KV capacity rounded up to this, so graphs are reused across calls.
         kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
-        lora_overlap: run the LoRA on a side stream (CUDA); ``None`` (the default): only the
-            cuBLAS pair, the fused kernel on the main stream (run 28: 3.62 vs 3.83 ms a 7B step
-            at B=1, 5.21 vs 5.34 at B=64: humming's GEMMs hold every multiprocessor, so the side
-            stream did not overlap them and its fork / join cost about 2 us a group).
+        lora_overlap: LoRA on a side stream (CUDA); ``None``: only the cuBLAS pair (the side
+            stream never overlapped humming's GEMMs; the fused kernel is faster without it).
         lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
             :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
             most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
             ``"cublas"``: two cuBLAS GEMMs a group always.
-        fused_lora_max_rows: the most rows a wave may have for the fused LoRA kernel (1 to
-            :data:`qerl.rollout.fast.lora.MAX_ROWS`; default :data:`~qerl.rollout.fast.lora.FUSED_MAX_M`,
-            where it measured faster than the cuBLAS pair).
-        humming_layout: humming's copy of NVFP4 weights (:mod:`qerl.kernels.humming_gemm`):
-            ``"ct"`` (the compressed-tensors layout, E4M3 group scales) or ``"bf16_scales"``
-            (the default: the same codes with bf16 group scales, every global scale applied by
-            the epilogue; 3-4 % less humming time a 7B decode step on the H200, run 24).
+        fused_lora_max_rows: the most rows of a wave for the fused LoRA (1 to ``lora.MAX_ROWS``).
+        humming_layout: humming's copy of NVFP4 (:mod:`qerl.kernels.humming_gemm`): ``"ct"``
+            (E4M3 group scales, as stored) or ``"bf16_scales"`` (bf16 ones; 3-4 % faster).
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
@@ -98,21 +91,12 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales") -> None:
-        if backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
-        if lora_kernel not in ("fused", "cublas"):
-            raise ValueError(f"lora_kernel must be fused or cublas, got {lora_kernel!r}")
-        if isinstance(fused_lora_max_rows, bool) or not isinstance(fused_lora_max_rows, int) \
-                or not 1 <= fused_lora_max_rows <= MAX_ROWS:
-            raise ValueError(f"fused_lora_max_rows must be an int in 1..{MAX_ROWS} (the rows the "
-                             f"kernel takes), got {fused_lora_max_rows!r}")
-        if humming_layout not in ("ct", "bf16_scales"):
-            raise ValueError(f"humming_layout must be ct or bf16_scales, got {humming_layout!r}")
-        if attention_splits is not None and (isinstance(attention_splits, bool)
-                                             or not isinstance(attention_splits, int)
-                                             or not 1 <= attention_splits <= 64):
-            raise ValueError(f"attention_splits must be None or an int in 1..64, got "
-                             f"{attention_splits!r}")
+        _choice("backend", backend, ("auto", "triton", "torch"))
+        _choice("lora_kernel", lora_kernel, ("fused", "cublas"))
+        _choice("humming_layout", humming_layout, ("ct", "bf16_scales"))
+        _int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
+        if attention_splits is not None:
+            _int_in("attention_splits", attention_splits, 64)
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -240,7 +224,7 @@ class FastEngine:
         W = self.wave_rows(plan, N, cap, n)
         st = self._get_state(plan, W, cap, T, mode, backend)
         if gemms:  # compile the humming kernels of this call's row counts in parallel
-            _precompile(gemms, (W, -(-W // n) * P))
+            precompile_groups(gemms, (W, -(-W // n) * P))
         ctx = TorchContext(gemms=gemms)
         rows_prompt = [i // n for i in range(N)]
         parts, stats = [], {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
@@ -252,7 +236,7 @@ class FastEngine:
             keep = min(W, N - lo)
             parts.append(tuple(t[:keep] for t in out))
         width = max(p[0].shape[1] for p in parts)
-        cat = [torch.cat([_pad_cols(p[j], width, v) for p in parts])
+        cat = [torch.cat([pad_cols(p[j], width, v) for p in parts])
                for j, v in enumerate((sp.pad_token_id, 0.0, 0.0, 0.0))]
         done = torch.cat([p[4] for p in parts])
         if not sp.eos_token_ids:
@@ -295,7 +279,7 @@ class FastEngine:
         counts = torch.tensor([c for _, c in runs], device=dev)
         pad_u = torch.tensor([P - len(p) for p, _ in runs], dtype=torch.long, device=dev)
         reset_outputs(st, sp, u, pad_u.repeat_interleave(counts))
-        _sync(dev)
+        sync(dev)
         tp0 = time.perf_counter()
         logits = self._prefill(plan, st, ctx, ids.to(dev), pad_u, counts)
         tok, lp, ent = sample_tokens(logits, st.u[0], st.temp, st.top_p, st.mode)
@@ -305,7 +289,7 @@ class FastEngine:
         st.tok.copy_(tok)
         st.slot.fill_(P)
         st.step.fill_(1)
-        _sync(dev)
+        sync(dev)
         tp1 = time.perf_counter()
         steps = 0
         if T > 1 and not bool(st.done.all()):
@@ -313,7 +297,7 @@ class FastEngine:
                 steps = self._decode_graph(plan, st, ctx, T)
             else:
                 steps = self._decode_torch(plan, st, ctx, T, P)
-        _sync(dev)
+        sync(dev)
         stats["prefill_s"] += tp1 - tp0
         stats["decode_s"] += time.perf_counter() - tp1
         stats["decode_steps"] += steps
@@ -400,23 +384,14 @@ class FastEngine:
         return steps
 
 
-def _precompile(gemms: dict[int, GroupGemm], rows: tuple[int, ...]) -> None:
-    jobs = [(gm.humming, m) for gm in gemms.values() for m in set(rows) if gm.uses_humming(m)]
-    if jobs:
-        from qerl.kernels.humming_gemm import precompile
-
-        precompile(jobs)
+def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _pad_cols(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    if t.shape[1] == width:
-        return t
-    return torch.cat([t, torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)], 1)
+def _int_in(name: str, value, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        raise ValueError(f"{name} must be an int in 1..{hi}, got {value!r}")
 
 
 #: alias (the issue calls it the fast rollout engine)

@@ -22,7 +22,7 @@ from qerl.kernels import dequant
 from qerl.kernels.backend import humming_max_m
 from qerl.rollout.fast.plan import Group, Member
 
-__all__ = ["GroupGemm"]
+__all__ = ["GroupGemm", "precompile_groups"]
 
 
 class GroupGemm:
@@ -99,3 +99,12 @@ class GroupGemm:
         if g.all_fp4:
             return g.out_f * g.in_f
         return max((m.out_f * m.in_f for m in g.members if m.kind == "fp4"), default=0)
+
+
+def precompile_groups(gemms: dict[int, GroupGemm], rows: tuple[int, ...]) -> None:
+    """Compile the humming kernels the groups will launch at these row counts (in parallel)."""
+    jobs = [(gm.humming, m) for gm in gemms.values() for m in set(rows) if gm.uses_humming(m)]
+    if jobs:
+        from qerl.kernels.humming_gemm import precompile
+
+        precompile(jobs)

@@ -11,7 +11,7 @@ from qerl.rollout.base import SamplingParams
 from qerl.rollout.fast import kernels as K
 from qerl.rollout.fast.plan import Plan
 
-__all__ = ["State", "new_state", "record", "reset_outputs"]
+__all__ = ["State", "new_state", "pad_cols", "record", "reset_outputs", "sync"]
 
 _STEP_FIELDS = ("tok", "slot", "step", "done", "out_tok", "out_lp", "out_mask", "out_ent")
 
@@ -157,3 +157,16 @@ def record(st: State, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor) ->
     st.out_mask.index_copy_(1, idx, live.to(st.out_mask.dtype).unsqueeze(1))
     st.done.logical_or_((tok.unsqueeze(-1) == st.eos.unsqueeze(0)).any(-1))
     st.tok.copy_(tok)
+
+
+def sync(dev: torch.device) -> None:
+    """Wait for ``dev`` (CUDA; no-op elsewhere)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def pad_cols(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """``t [rows, w]`` padded with ``value`` to ``width`` columns (a wave's outputs)."""
+    if t.shape[1] == width:
+        return t
+    return torch.cat([t, torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)], 1)
