@@ -61,9 +61,9 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tail -30 ;;
     tune)  # humming's heuristic and its neighbours per decode shape, timed in CUDA graphs with a cold L2
       timeout ${TUNE_TIMEOUT:-70} python3 -m qerl.kernels.tune --models ${TUNE_MODELS:-7b,32b} --formats nvfp4 \
-        --layouts ${TUNE_LAYOUTS:-ct} --ms ${TUNE_MS:-1,32,64} --budget-s $(( ${TUNE_TIMEOUT:-70} - 15 )) --json "$OUT/tune.json" ;;
+        --layouts ${TUNE_LAYOUTS:-ct,bf16_scales} --ms ${TUNE_MS:-1,32,64} --budget-s $(( ${TUNE_TIMEOUT:-70} - 15 )) --json "$OUT/tune.json" ;;
     tune7b)  # a wider search (humming's sampler) at B=1 for the 7B layers that hold 87 % of the bytes
-      timeout 170 python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --ms 1 --only gate_up,down \
+      timeout 170 python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --layouts ${TUNE_LAYOUTS:-bf16_scales} --ms 1 --only gate_up,down \
         --samples 16 --budget-s 140 --json "$OUT/tune_7b.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;

@@ -284,6 +284,7 @@ def _lora_problem(m: int, k: int, out_f: list[int], ranks: list[int], dt):
     (5, 700, [200, 56], [4, 12]),                # a tile straddles two members: the whole rank
     (3, 2500, [130], [16]),                      # one member, a partial last tile
     (7, 640, [256, 256], [0, 16]),               # a member without adapters
+    (1, 3584, [256], [8]),                       # fewer accumulator values (8) than shrink slices (28)
 ])
 def test_fused_lora_equals_two_gemms(dt, m, k, out_f, ranks) -> None:
     x, a, b, ref = _lora_problem(m, k, out_f, ranks, dt)
@@ -291,7 +292,10 @@ def test_fused_lora_equals_two_gemms(dt, m, k, out_f, ranks) -> None:
     acc = torch.zeros(lau.acc_numel(m), device=DEV)
     assert acc.numel() == 2 * m * sum(ranks)  # two buffers, alternate launches
     cnt = torch.zeros(2, dtype=torch.int64, device=DEV)
-    for i in range(1, 4):  # each launch runs on the state the previous one left
+    for i in range(1, 4):  # each launch runs on the state the previous one left, new inputs each
+        if i > 1:
+            x = torch.randn_like(x.float()).to(dt)
+            ref = x.float() @ a.float().t() @ b.float().t()
         out = torch.full((m, sum(out_f)), float("nan"), device=DEV, dtype=dt)
         L.fused_lora(x, a, b, out, acc, cnt, lau)
         assert cnt.tolist() == [i * lau.programs(), i * lau.split]  # tickets, shrinks done
@@ -309,6 +313,13 @@ def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
                      torch.empty(lau.acc_numel(x.shape[0]), device=DEV),
                      torch.zeros(2, dtype=torch.int64, device=DEV), lau)
     x, a, b, _ = _lora_problem(2, 64, [32], [16], DTYPES[0])
+    with pytest.raises(ValueError, match="do not match the launch"):  # another group's launch
+        L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
+                     torch.zeros(64, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV),
+                     L.LoraLaunch([32], [8], 64, torch.device(DEV)))
+    with pytest.raises(ValueError, match="acc holds 8 values, 64 needed"):
+        L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
+                     torch.zeros(8, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV), lau)
     with pytest.raises(ValueError, match="int64 counters"):
         L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
                      torch.zeros(lau.acc_numel(2), device=DEV),

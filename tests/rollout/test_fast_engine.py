@@ -407,19 +407,22 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("fmt,lora,splits,n_rows", [(None, False, 1, 8), ("nvfp4", True, 1, 8),
-                                                    ("nvfp4", True, 4, 8), ("nvfp4", True, 1, 1)])
-def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows) -> None:
+@pytest.mark.parametrize("fmt,lora,splits,n_rows,max_rows,overlap", [
+    (None, False, 1, 8, 64, None), ("nvfp4", True, 1, 8, 64, None), ("nvfp4", True, 4, 8, 64, None),
+    ("nvfp4", True, 1, 1, 64, None),
+    ("nvfp4", True, 1, 8, 1, None),    # more rows than fused_lora_max_rows: cuBLAS, side stream
+    ("nvfp4", True, 1, 8, 64, True)])  # the fused kernel forced onto the side stream
+def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows, max_rows,
+                                                overlap) -> None:
     """7B widths and the 152k vocabulary (two layers): the decode step is captured as a graph
-    (the top-p sampling kernels, the LoRA side stream and split attention included), and agrees
-    with a full forward pass."""
+    (the top-p sampling kernels, the fused LoRA or the cuBLAS pair, the LoRA side stream's fork
+    and join, split attention), and agrees with a full forward pass."""
     from qerl.rollout.fast import sampling
-    from qerl.rollout.fast.lora import FUSED_MAX_M
 
     model = _model("qwen2", fmt=fmt, lora=lora, device="cuda", dtype=torch.bfloat16,
                    hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
-    eng = FastEngine(attention_splits=splits)
+    eng = FastEngine(attention_splits=splits, fused_lora_max_rows=max_rows, lora_overlap=overlap)
     prompts = PROMPTS if n_rows == 8 else PROMPTS[:1]  # 4 prompts x 2 rows, or one row
     sp = SamplingParams(n=n_rows // len(prompts), temperature=1.0, top_p=0.95, max_new_tokens=20,
                         eos_token_ids=(), pad_token_id=0)
@@ -427,10 +430,11 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows) -> No
     assert eng.last_stats["cuda_graph"], "decode step not captured"
     assert sampling._KERNEL_OK[torch.device("cuda", torch.cuda.current_device()), torch.bfloat16], \
         "sampling kernel fell back"
-    want = "none" if not lora else ("fused" if n_rows <= FUSED_MAX_M else "cublas")
+    want = "none" if not lora else ("fused" if n_rows <= max_rows else "cublas")
     assert eng.last_stats["lora_kernel"] == want
     # by default only the cuBLAS pair runs on the side stream
-    assert eng.last_stats["lora_stream"] == ("side" if want == "cublas" else "main")
+    side = overlap if overlap is not None else want == "cublas"
+    assert eng.last_stats["lora_stream"] == ("side" if side else "main")
     err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
     assert err.mean() < 0.05, err.mean()
 

@@ -7,7 +7,8 @@ side. NVFP4 members with different global scales are stacked with a global scale
 per-column factor ``1 / weight_global_scale`` is returned as :attr:`HummingFp4.col_scale` for the
 consumer of the output to apply (the rollout engine's epilogue kernels do; exact, since the
 scale is applied to the float32 accumulator's rounding in the same way as a fused scale would be
-up to one bf16 rounding); a single weight, MXFP4, or equal global scales need no such factor.
+up to one bf16 rounding); in the ``ct`` layout a single weight, MXFP4, or equal global scales
+need no such factor (the ``bf16_scales`` layout always has one).
 
 Layouts of humming's copy (``layout``; the compressed-tensors buffers on disk and in the model never
 change): ``"ct"`` hands humming our tensors as they are (NVFP4: E4M3 group scales, the global

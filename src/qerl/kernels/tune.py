@@ -173,8 +173,9 @@ def main() -> None:  # pragma: no cover - GPU only
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b,32b")
     ap.add_argument("--formats", default="nvfp4,mxfp4")
-    ap.add_argument("--layouts", default="ct",
-                    help="humming layouts to tune (ct, bf16_scales; bf16_scales is nvfp4 only)")
+    ap.add_argument("--layouts", default="ct,bf16_scales",
+                    help="humming layouts to tune (ct: QuantLinear's; bf16_scales: the rollout "
+                         "engine's default, nvfp4 only)")
     ap.add_argument("--ms", default="1,32,64,128")
     ap.add_argument("--samples", type=int, default=0, help="extra candidates from humming's sampler")
     ap.add_argument("--only", default=None,

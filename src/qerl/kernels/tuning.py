@@ -9,7 +9,8 @@ of CPU per shape); they are compiled in parallel, each is checked against the he
 output and timed with a cold L2 in a CUDA graph (:func:`qerl.kernels.tune.graph_us`: no CPU
 launch time in the timing), and the fastest per M is kept; illegal candidates fail to compile and are skipped. Results go to one JSON file per GPU (``$QERL_HUMMING_TUNING``, else
 ``$XDG_CACHE_HOME/qerl/humming_tuning_<gpu>.json``, ``~/.cache`` by default), keyed by
-``<fmt>:<N>x<K>:<dtype>``; entries from another humming version are ignored.
+``<kind>:<N>x<K>:<dtype>`` (kind: the format, ``nvfp4_bf16_scales`` for humming's layout of NVFP4
+with bf16 group scales); entries from another humming version are ignored.
 
     python -m qerl.kernels.tune --models 7b,32b --formats nvfp4,mxfp4 --ms 1,32,64,128
 """
@@ -52,8 +53,8 @@ def cache_path(device: torch.device | None = None) -> Path:
     return root / f"humming_tuning_{_slug(torch.cuda.get_device_name(device))}.json"
 
 
-def _key(fmt: str, n: int, k: int, dtype: torch.dtype) -> str:
-    return f"{fmt}:{n}x{k}:{str(dtype).removeprefix('torch.')}"
+def _key(kind: str, n: int, k: int, dtype: torch.dtype) -> str:
+    return f"{kind}:{n}x{k}:{str(dtype).removeprefix('torch.')}"
 
 
 def _humming_version() -> str:
@@ -72,12 +73,13 @@ def _read(path: Path) -> dict:
     return data.get("entries", {}) if isinstance(data.get("entries"), dict) else {}
 
 
-def lookup(fmt: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict[int, dict]:
-    """Tuned ``{M: tuning config}`` for this GEMM on this GPU (empty when never tuned)."""
+def lookup(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict[int, dict]:
+    """Tuned ``{M: tuning config}`` for this GEMM (``kind``: its format, or format and layout as
+    ``HummingFp4.kind``) on this GPU (empty when never tuned)."""
     path = str(cache_path(device))
     if path not in _LOADED:
         _LOADED[path] = _read(Path(path))
-    entry = _LOADED[path].get(_key(fmt, n, k, dtype), {})
+    entry = _LOADED[path].get(_key(kind, n, k, dtype), {})
     return {int(m): cfg for m, cfg in entry.items() if str(m).isdigit() and isinstance(cfg, dict)}
 
 

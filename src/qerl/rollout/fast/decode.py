@@ -5,10 +5,10 @@ write (q/k/v epilogue) -> attention -> o GEMM -> add-RMSNorm (o epilogue) -> gat
 SiLU-mul (gate/up epilogue) -> down GEMM. Then the final norm, the LM head (torch group path) and
 sampling.
 
-LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` into a static buffer, on a side
-stream while the main stream runs the group's base GEMM: one launch of the fused kernel
-(:mod:`qerl.rollout.fast.lora`, one row) or two cuBLAS GEMMs; the consumer kernel adds ``lo``
-in its epilogue (one load per element) after the streams join.
+LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` into a static buffer: one launch of
+the fused kernel (:mod:`qerl.rollout.fast.lora`, up to its rows, on the main stream by default) or
+two cuBLAS GEMMs (on a side stream while the main stream runs the group's base GEMM); the
+consumer kernel adds ``lo`` in its epilogue (one load per element), after the streams join.
 """
 
 from __future__ import annotations

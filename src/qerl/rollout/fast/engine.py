@@ -338,10 +338,12 @@ class FastEngine:
         fused = (self.lora_kernel == "fused" and backend == "triton"
                  and rows <= self.fused_lora_max_rows
                  and any(g.r_total for g in plan.groups()) and fused_lora_ok(plan.device, plan.dtype))
-        overlap = (not fused) if self.lora_overlap is None else self.lora_overlap
-        side = self._stream(plan.device, "lora") if overlap else None
-        self._state = new_state(plan, key, rows, cap, T, mode, side, self.attention_splits, fused)
-        return self._state
+        st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused)
+        overlap = self.lora_overlap  # default: a side stream for the cuBLAS pair only
+        overlap = st.lora_cnt is None and bool(st.lora_out) if overlap is None else overlap
+        st.side = self._stream(plan.device, "lora") if overlap else None
+        self._state = st
+        return st
 
     def _stream(self, dev: torch.device, role: str) -> torch.cuda.Stream | None:
         """This engine's one stream for ``role`` on ``dev`` (CUDA; else ``None``): cuBLAS keeps a

@@ -1,9 +1,9 @@
 """Triton kernels of the fast engine's decode step, and their launchers.
 
 The base GEMMs produce raw outputs (no bias, no LoRA); the kernels that consume them apply the
-group epilogue -- per-column scale (humming's stacked NVFP4), bias, and the group's LoRA output
-``lo = (x a_cat^T) b_full^T`` (two cuBLAS GEMMs the decode step runs on a side stream while the
-base GEMM runs; here it is one more load per element) -- while doing their own work:
+group epilogue -- per-column scale (humming's NVFP4 global scales), bias, and the group's LoRA
+output ``lo = (x a_cat^T) b_full^T`` (the fused LoRA kernel's or two cuBLAS GEMMs'; here it is
+one more load per element) -- while doing their own work:
 
 * :func:`add_rmsnorm`: ``h += epilogue(raw)`` then ``x = rmsnorm(h) * w`` (o and down outputs);
 * :func:`qkv_rope`: epilogue of q/k/v, RoPE, K/V written into the static cache;

@@ -28,7 +28,9 @@ Every program is one load round trip plus a few atomics: the first version loope
 2,048-feature slices in each shrink program and was slower than cuBLAS at every batch (run 20).
 
 A waiting program only waits for tickets handed out before its own, to programs already running,
-so the launch cannot deadlock whatever the grid size or what else shares the GPU.
+so the launch cannot deadlock whatever else shares the GPU, provided the counters' launches run
+one at a time (one stream) and all have the same programs (one counter set per group kind and row
+count; :func:`fused_lora` checks the shapes against the launch).
 """
 
 from __future__ import annotations
@@ -121,6 +123,14 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
         raise ValueError("fused_lora needs row-major x (unit column stride), a_cat and b_full")
     if counters.dtype != torch.int64 or counters.numel() < 2:
         raise ValueError("fused_lora needs int64 counters [2]")
+    # the ticket protocol needs every launch on these counters to have this launch's programs
+    if (r != launch.r_total or -(-n // BLOCK_N) != launch.n_tiles
+            or -(-k // launch.k_per) != launch.split):
+        raise ValueError(f"fused_lora: x [{m}, {k}] / b_full [{n}, {r}] do not match the launch "
+                         f"({launch.split} shrink slices, {launch.n_tiles} tiles, rank "
+                         f"{launch.r_total})")
+    if acc.numel() < launch.acc_numel(m):
+        raise ValueError(f"fused_lora: acc holds {acc.numel()} values, {launch.acc_numel(m)} needed")
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
     grid = (launch.split + launch.n_tiles,)
     _lora_kernel[grid](x, x.stride(0), a_cat, b_full, acc, out, out.stride(0), counters, launch.r0,

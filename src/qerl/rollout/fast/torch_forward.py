@@ -60,10 +60,12 @@ def group_forward(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Te
         cs = gemm.col_scale if gemm.uses_humming(raws[0].shape[0]) else None
         outs = []
         for o, m, y in zip(g.offsets, g.members, raws, strict=True):
-            if cs is not None:
-                y = (y.float() * cs[o:o + m.out_f]).to(x.dtype)
-            if g.bias is not None and m.kind != "module":
-                y = y + g.bias[o:o + m.out_f]
+            bias = g.bias[o:o + m.out_f] if g.bias is not None and m.kind != "module" else None
+            if cs is not None:  # in float32, one rounding, as the decode epilogue does
+                y = y.float() * cs[o:o + m.out_f]
+                y = (y if bias is None else y + bias.float()).to(x.dtype)
+            elif bias is not None:
+                y = y + bias
             outs.append(y.reshape(*lead, m.out_f))
     else:
         outs = [_member_out(ctx, m, x) for m in g.members]
