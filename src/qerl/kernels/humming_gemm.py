@@ -33,9 +33,16 @@ import torch
 
 from qerl.quant.formats import FORMATS
 
-__all__ = ["LAYOUTS", "HummingFp4", "config_string", "humming_weight_config", "precompile"]
+__all__ = ["LAYOUTS", "HummingFp4", "config_string", "humming_weight_config", "layout_applies",
+           "precompile"]
 
 LAYOUTS = ("ct", "bf16_scales")
+
+
+def layout_applies(layout: str, fmt: str, dtype: torch.dtype) -> bool:
+    """Whether humming's ``layout`` exists for weights of ``fmt`` with ``dtype`` activations
+    (``ct`` always; ``bf16_scales`` for NVFP4 with bf16 activations)."""
+    return layout == "ct" or (fmt == "nvfp4" and dtype == torch.bfloat16)
 
 PAD_N = 256  # humming's tiles need N and K in whole tiles; padding is free for the model shapes
 PAD_K = 128
@@ -84,10 +91,9 @@ class HummingFp4:
                  layout: str = "ct") -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"HummingFp4: layout must be one of {LAYOUTS}, got {layout!r}")
-        if layout == "bf16_scales" and fmt != "nvfp4":
-            raise ValueError(f"HummingFp4: layout 'bf16_scales' is for nvfp4 only, got {fmt!r}")
-        if layout == "bf16_scales" and dtype != torch.bfloat16:
-            raise ValueError("HummingFp4: layout 'bf16_scales' needs bf16 activations")
+        if not layout_applies(layout, fmt, dtype):
+            raise ValueError(f"HummingFp4: layout {layout!r} is for nvfp4 only, with bf16 "
+                             f"activations; got {fmt!r} with {dtype}")
         packed = [m[0] for m in members]
         self.fmt, self.dtype, self.layout = fmt, dtype, layout
         self.kind = fmt if layout == "ct" else f"{fmt}_{layout}"  # the tuning cache's key

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from qerl.kernels.backend import resolve_backend
+from qerl.kernels.humming_gemm import LAYOUTS
 from qerl.rollout.base import RolloutBatch, SamplingParams
 from qerl.rollout.fast import decode
 from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
@@ -93,7 +94,7 @@ class FastEngine:
                  humming_layout: str = "bf16_scales") -> None:
         _choice("backend", backend, ("auto", "triton", "torch"))
         _choice("lora_kernel", lora_kernel, ("fused", "cublas"))
-        _choice("humming_layout", humming_layout, ("ct", "bf16_scales"))
+        _choice("humming_layout", humming_layout, LAYOUTS)
         _int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
         if attention_splits is not None:
             _int_in("attention_splits", attention_splits, 64)
@@ -246,8 +247,7 @@ class FastEngine:
                          if gemms else ())
         self.last_stats = {"backend": backend, "fp4_backend": self._gemm_backend,
                            "humming_groups": humming, "humming_layouts": layouts,
-                           "parked_gib": self._parking.nbytes() / GiB,
-                           "rows": N,
+                           "parked_gib": self._parking.nbytes() / GiB, "rows": N,
                            "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
                            "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None,
                            "lora_kernel": "fused" if st.lora_cnt is not None

@@ -39,8 +39,8 @@ class GroupGemm:
             from qerl.kernels import humming_gemm
 
             fmt = group.members[0].fmt
-            if fmt != "nvfp4" or dtype != torch.bfloat16:
-                layout = "ct"  # bf16_scales exists for NVFP4 with bf16 activations only
+            if not humming_gemm.layout_applies(layout, fmt, dtype):
+                layout = "ct"  # the stored layout where the asked-for one does not exist
             try:
                 self.humming = humming_gemm.HummingFp4(
                     fmt, [m.fp4_tensors() for m in group.members], dtype=dtype, layout=layout)
