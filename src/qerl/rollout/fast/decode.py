@@ -40,9 +40,9 @@ def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | Non
     if st.side is not None:
         st.side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st.side) if st.side is not None else contextlib.nullcontext():
-        if st.lora_cnt is not None:
-            fused_lora(x, g.a_cat, g.b_full, lo, st.lora_acc[kind], st.lora_cnt[kind],
-                       st.lora_launch[kind])
+        if st.lora_fused is not None:
+            launch, acc, counters = st.lora_fused[kind]
+            fused_lora(x, g.a_cat, g.b_full, lo, acc, counters, launch)
         else:
             xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
             torch.mm(x, g.a_cat.t(), out=xa)

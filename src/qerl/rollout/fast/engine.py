@@ -250,7 +250,7 @@ class FastEngine:
                            "parked_gib": self._parking.nbytes() / GiB, "rows": N,
                            "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
                            "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None,
-                           "lora_kernel": "fused" if st.lora_cnt is not None
+                           "lora_kernel": "fused" if st.lora_fused is not None
                            else ("cublas" if st.lora_out else "none"),
                            "lora_stream": "side" if st.side is not None else "main"}
         return RolloutBatch(
@@ -340,7 +340,7 @@ class FastEngine:
                  and any(g.r_total for g in plan.groups()) and fused_lora_ok(plan.device, plan.dtype))
         st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused)
         overlap = self.lora_overlap  # default: a side stream for the cuBLAS pair only
-        overlap = st.lora_cnt is None and bool(st.lora_out) if overlap is None else overlap
+        overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None
         self._state = st
         return st

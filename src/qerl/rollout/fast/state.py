@@ -41,9 +41,9 @@ class State:
     out_ent: torch.Tensor
     lora_xa: dict = field(default_factory=dict)  # per group kind: flat [rows * R] shrink buffer
     lora_out: dict = field(default_factory=dict)  # per group kind: [rows, N] LoRA output
-    lora_launch: dict = field(default_factory=dict)  # per group kind: fused kernel's LoraLaunch
-    lora_acc: dict = field(default_factory=dict)  # per group kind: its float32 accumulator
-    lora_cnt: dict | None = None  # per group kind: the fused kernel's counters (None: cuBLAS LoRA)
+    # per group kind with adapters: the fused kernel's (LoraLaunch, float32 accumulator, counters);
+    # None: the LoRA runs as cuBLAS GEMMs
+    lora_fused: dict | None = None
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
     side: torch.cuda.Stream | None = None
     graph: object = None
@@ -57,7 +57,7 @@ class State:
 
     def nbytes(self) -> int:
         ts = self.k + self.v + list(self.lora_xa.values()) + list(self.lora_out.values()) \
-            + list(self.lora_acc.values())
+            + [acc for _, acc, _ in (self.lora_fused or {}).values()]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -75,15 +75,15 @@ def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]
     return xa, out
 
 
-def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict, dict] | None:
-    """The fused LoRA kernel's launches, accumulators and counters per group kind (one set per
+def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> dict | None:
+    """The fused LoRA kernel's launch, accumulator and counters per group kind (one set per
     kind: every launch on a set has the same programs), when it takes this many rows and every
     layer's group of a kind has the same shape (else ``None``)."""
     from qerl.rollout.fast.lora import MAX_ROWS, LoraLaunch
 
     if rows > MAX_ROWS:
         return None
-    launch, acc, cnt = {}, {}, {}
+    fused = {}
     for kind in ("qkv", "o", "gu", "down"):
         shapes = {(tuple(m.out_f for m in g.members), tuple(m.lora_r for m in g.members), g.in_f)
                   for g in (getattr(lay, kind) for lay in plan.layers)}
@@ -91,10 +91,10 @@ def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict, d
             return None
         out_f, ranks, in_f = shapes.pop()
         if sum(ranks):
-            launch[kind] = LoraLaunch(list(out_f), list(ranks), in_f, dev)
-            acc[kind] = torch.zeros(launch[kind].acc_numel(rows), device=dev)
-            cnt[kind] = torch.zeros(2, dtype=torch.int64, device=dev)
-    return launch, acc, cnt
+            lau = LoraLaunch(list(out_f), list(ranks), in_f, dev)
+            fused[kind] = (lau, torch.zeros(lau.acc_numel(rows), device=dev),
+                           torch.zeros(2, dtype=torch.int64, device=dev))
+    return fused
 
 
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
@@ -112,7 +112,6 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
 
     xa, lo = _lora_buffers(plan, rows, dev)
     fused = _fused_lora(plan, rows, dev) if fused_lora and lo else None
-    launch, acc, cnt = fused if fused is not None else ({}, {}, None)
     if attn_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         attn_splits = K.attention_splits(rows, plan.n_kv, cap, sms)
@@ -126,7 +125,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         eos=torch.full((8,), -1, dtype=torch.long, device=dev), pad_id=z(1, dtype=torch.long),
         out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
         out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), lora_xa=xa, lora_out=lo,
-        lora_launch=launch, lora_acc=acc, lora_cnt=cnt,
+        lora_fused=fused,
         attn_splits=attn_splits, side=side)
 
 
