@@ -64,8 +64,13 @@ ROWS = {"1.5b-64": ("1.5b", 64, 256), "7b-64": ("7b", 64, 256), "7b-1": ("7b", 1
         "7b-256": ("7b", 256, 128), "32b-32": ("32b", 32, 128)}
 COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4",
            "fast_mxfp4_lora"]
-EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_lora_seq", "fast_nvfp4_lora_side", "fast_nvfp4_lora_cublas", "fast_nvfp4_ct",
-                 "fast_nvfp4_lora_ct", "fast_nvfp4_lora_fused64"]
+# the NVFP4 + LoRA variant columns: the engine options each runs with (see the module docstring)
+NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
+                       "fast_nvfp4_lora_side": dict(lora_overlap=True),
+                       "fast_nvfp4_lora_cublas": dict(lora_kernel="cublas"),
+                       "fast_nvfp4_lora_fused64": dict(fused_lora_max_rows=64),
+                       "fast_nvfp4_lora_ct": dict(humming_layout="ct")}
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
@@ -334,21 +339,9 @@ def with_lora(model, row, B, N, V, record, cols, fmt):
     pm.eval()
     if f"fast_{fmt}_lora" in cols:
         record(f"fast_{fmt}_lora", lambda: run_fast(pm, B, N, V), pm, lora_r=32)
-    if fmt == "nvfp4" and "fast_nvfp4_lora_seq" in cols:
-        record("fast_nvfp4_lora_seq", lambda: run_fast(pm, B, N, V, lora_overlap=False), pm,
-               lora_r=32)
-    if fmt == "nvfp4" and "fast_nvfp4_lora_side" in cols:
-        record("fast_nvfp4_lora_side", lambda: run_fast(pm, B, N, V, lora_overlap=True), pm,
-               lora_r=32)
-    if fmt == "nvfp4" and "fast_nvfp4_lora_cublas" in cols:
-        record("fast_nvfp4_lora_cublas", lambda: run_fast(pm, B, N, V, lora_kernel="cublas"), pm,
-               lora_r=32)
-    if fmt == "nvfp4" and "fast_nvfp4_lora_fused64" in cols:
-        record("fast_nvfp4_lora_fused64", lambda: run_fast(pm, B, N, V, fused_lora_max_rows=64),
-               pm, lora_r=32)
-    if fmt == "nvfp4" and "fast_nvfp4_lora_ct" in cols:
-        record("fast_nvfp4_lora_ct", lambda: run_fast(pm, B, N, V, humming_layout="ct"), pm,
-               lora_r=32)
+    for col, kw in NVFP4_LORA_VARIANTS.items():
+        if fmt == "nvfp4" and col in cols:
+            record(col, lambda: run_fast(pm, B, N, V, **kw), pm, lora_r=32)
     model = pm.unload()
     gc.collect()
     torch.cuda.empty_cache()
