@@ -60,7 +60,7 @@ def _join(st: State, lo: torch.Tensor | None) -> None:
 def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.Tensor | None,
                rows: int) -> list[K.Epilogue]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
-    cs = gemm.col_scale if gemm is not None and gemm.uses_humming(rows) else None
+    cs = gemm.col_scale_for(rows) if gemm is not None else None
     return [K.Epilogue(raw=y, offset=o, col_scale=cs, bias=g.bias, lora=lo)
             for o, y in zip(g.offsets, raws, strict=True)]
 
