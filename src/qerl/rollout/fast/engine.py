@@ -338,7 +338,7 @@ class FastEngine:
         fused = (self.lora_kernel == "fused" and backend == "triton"
                  and rows <= self.fused_lora_max_rows
                  and any(g.r_total for g in plan.groups()) and fused_lora_ok(plan.device, plan.dtype))
-        st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused)
+        st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused, self._gemms)
         overlap = self.lora_overlap  # default: a side stream for the cuBLAS pair only
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None

@@ -81,12 +81,15 @@ class GroupGemm:
             row += m.out_f
         return w
 
-    def raw(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def raw(self, x: torch.Tensor, lora: gemv.GemvLora | None = None) -> list[torch.Tensor]:
         """``x [M, K]`` -> the members' raw outputs ``[M, N_i]`` (views of one buffer when the
-        group runs as one GEMM)."""
+        group runs as one GEMM); ``lora``: the group's LoRA added in the GEMV's launch."""
         g = self.group
+        if lora is not None and not self.uses_gemv(x.shape[0]):
+            raise ValueError(f"{g.members[0].name}: a LoRA in the launch needs the GEMV path")
         if self.uses_gemv(x.shape[0]):
-            y = gemv.fp4_gemv(x, g.members[0].fmt, [m.fp4_tensors() for m in g.members])
+            y = gemv.fp4_gemv(x, g.members[0].fmt, [m.fp4_tensors() for m in g.members],
+                              lora=lora)
             return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
         if self.uses_humming(x.shape[0]):
             y = self.humming(x if x.is_contiguous() else x.contiguous())
