@@ -33,12 +33,11 @@ try:
     print('torch.sort [64, 152064] captured')
 except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[:300])"
       timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -v -p no:cacheprovider -n 8 -rfE \
-        tests/kernels/test_gpu_fp4.py tests/kernels/test_dispatch.py tests/kernels/test_gemv.py \
+        tests/kernels/test_gpu_fp4.py tests/kernels/test_dispatch.py \
         tests/rollout/test_decode_kernels.py \
         tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
-        tests/rollout/test_fast_engine.py::test_gpu_gemv_decode_matches_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tee "$OUT/gpu_tests.log" ;;
     samplertests)  # the sampling kernels against torch on the GPU, and the engine graph at real width
       timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "sample or real_model_width" \
@@ -68,14 +67,6 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --samples 16 --budget-s 140 --json "$OUT/tune_7b.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
-    gemvtests)  # the FP4 GEMV against float32 and the engine at one row through it, then its tiles at M = 1, 4
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/kernels/test_gemv.py \
-        tests/rollout/test_fast_engine.py::test_gpu_gemv_decode_matches_teacher_forcing \
-        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | grep -v Warning | tail -25
-      echo "pytest rc=${PIPESTATUS[0]}" ;;
-    gemvmicro)
-      timeout ${GEMV_TIMEOUT:-150} python3 benchmarks/fp4_matmul.py --model ${GEMV_MODEL:-7b} --ms ${GEMV_MS:-1,4} \
-        --methods ${GEMV_METHODS:-humming_nvfp4,gemv_nvfp4} --gemv-tiles "${GEMV_TILES:-}" --json "$OUT/fp4_gemv.json" ;;
     crossover)
       timeout 90 python3 benchmarks/fp4_matmul.py --model 7b --crossover --ms 128,512,1024,2048 \
         --json "$OUT/fp4_crossover.json" ;;
@@ -99,7 +90,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 60 python3 benchmarks/rollout_throughput.py --rows 7b-1-2k --attention-splits 1 \
         --columns fast_nvfp4_lora --json "$OUT/rollout_7b1long_nosplit.json" ;;
     rollout32b)
-      timeout ${R32_TIMEOUT:-120} python3 benchmarks/rollout_throughput.py --rows 32b-32 \
+      timeout ${R32_TIMEOUT:-120} python3 benchmarks/rollout_throughput.py --rows 32b-32 ${PROFILE_32B:+--profile} \
         --columns ${COLS_32B:-fast_bf16,fast_nvfp4_lora} --json "$OUT/rollout_32b32.json" ;;
     updatemem)  # activation bytes per token of the update, checkpointing on and off
       timeout 60 python3 benchmarks/update_memory.py --model 7b --format nvfp4 --rows 2,4 --json "$OUT/update_memory.json" ;;
