@@ -69,7 +69,8 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_side": dict(lora_overlap=True),
                        "fast_nvfp4_lora_cublas": dict(lora_kernel="cublas"),
                        "fast_nvfp4_lora_fused64": dict(fused_lora_max_rows=64),
-                       "fast_nvfp4_lora_ct": dict(humming_layout="ct")}
+                       "fast_nvfp4_lora_ct": dict(humming_layout="ct"),
+                       "fast_nvfp4_lora_nogemv": dict(gemv_max_rows=0)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
@@ -362,6 +363,13 @@ def main() -> None:
                     help="FastEngine(attention_splits=...) for every fast column (default: automatic)")
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus of every column (1.0: none)")
     args = ap.parse_args()
+    bad_rows = [r for r in args.rows.split(",") if r not in ROWS]
+    bad_cols = [c for c in args.columns.split(",") if c not in COLUMNS + EXTRA_COLUMNS]
+    if bad_rows or bad_cols:  # before anything touches the GPU
+        ap.error("; ".join(
+            [f"unknown --rows {', '.join(bad_rows)} (known: {', '.join(ROWS)})"] * bool(bad_rows)
+            + [f"unknown --columns {', '.join(bad_cols)} (known: "
+               f"{', '.join(COLUMNS + EXTRA_COLUMNS)})"] * bool(bad_cols)))
     if args.attention_splits is not None:
         ENGINE_KW["attention_splits"] = args.attention_splits
     global CHECK, PROFILE, TOP_P
