@@ -70,12 +70,17 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     gemvtests)  # the FP4 GEMV (and the LoRA in its launch) against float32, the fused LoRA kernel,
       # and the engine's GPU tests at one row (through the GEMV) and at 8 (humming)
+      # (GEMVTESTS_K: a -k filter over all three, e.g. "gemv or True-1-1-64 or True-1-8-64";
+      # GEMVTESTS_LORA=0 leaves out the fused LoRA kernel's tests)
       timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/kernels/test_gemv.py \
         tests/rollout/test_fast_engine.py::test_gpu_gemv_decode_matches_teacher_forcing \
-        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | grep -v Warning | tail -25
+        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
+        ${GEMVTESTS_K:+-k} ${GEMVTESTS_K:+"$GEMVTESTS_K"} 2>&1 | grep -v Warning | tail -25
       echo "pytest rc=${PIPESTATUS[0]}"
-      timeout 60 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "lora" 2>&1 | grep -v Warning | tail -8
-      echo "pytest rc=${PIPESTATUS[0]}" ;;
+      if [ "${GEMVTESTS_LORA:-1}" != 0 ]; then
+        timeout 60 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "lora" 2>&1 | grep -v Warning | tail -8
+        echo "pytest rc=${PIPESTATUS[0]}"
+      fi ;;
     gemvmicro)  # the GEMV's tiles against humming at one row, cold L2
       timeout ${GEMV_TIMEOUT:-150} python3 benchmarks/fp4_matmul.py --model ${GEMV_MODEL:-7b} --ms 1 \
         --methods ${GEMV_METHODS:-humming_nvfp4,gemv_nvfp4} --gemv-tiles "${GEMV_TILES:-}" --json "$OUT/fp4_gemv.json" ;;
