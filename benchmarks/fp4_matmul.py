@@ -9,9 +9,7 @@ scales) and is also given as a fraction of the measured device copy bandwidth (b
 written per second). Methods: ``cublas_bf16`` (F.linear on bf16 weights), ``humming_nvfp4`` /
 ``humming_mxfp4`` (humming-kernels, tuned configs when the tuning file has them),
 ``dequant_cublas_<fmt>`` (our Triton dequantize into the scratch + cuBLAS, the training / large-M
-path), ``gemv_<fmt>`` (our Triton GEMV of :mod:`qerl.kernels.gemv`, one row only;
-``gemv_<fmt>@BN:BK:W`` with a given tile, and ``--gemv-tiles`` adds such methods) and, with
-``--legacy``, the removed Triton FP4 kernel (a copy of its old module).
+path) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old module).
 
     python benchmarks/fp4_matmul.py --model 7b --ms 1,16,64,256 --json fp4_matmul.json
     python benchmarks/fp4_matmul.py --crossover --ms 64,128,256,512,1024,2048   # humming vs dequant
@@ -98,16 +96,6 @@ def _fp4_bytes(t: dict) -> int:
     return sum(v.numel() * v.element_size() for v in t.values())
 
 
-def _fmt_tile(method: str) -> tuple[str, tuple[int, int, int] | None]:
-    """``gemv_nvfp4@8:512:4`` -> ``("nvfp4", (8, 512, 4))``; other methods -> ``(fmt, None)``."""
-    name, _, tile = method.partition("@")
-    return name.rsplit("_", 1)[1], tuple(int(v) for v in tile.split(":")) if tile else None
-
-
-def _member(t: dict) -> tuple:
-    return t["weight_packed"], t["weight_scale"], t.get("weight_global_scale")
-
-
 def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list, int]:
     """The calls to time (one per weight copy) and the weight bytes one call reads."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -115,7 +103,7 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
               for _ in range(_copies(2 * n * k))]
         return [lambda w=w: F.linear(x, w) for w in ws], 2 * n * k
-    fmt, tile = _fmt_tile(method)
+    fmt = method.rsplit("_", 1)[1]
     base = _fp4(n, k, fmt)
     nb = _fp4_bytes(base)
     copies = [{kk: v.clone() for kk, v in base.items()} for _ in range(_copies(nb))]
@@ -126,10 +114,6 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
                                 c.get("weight_global_scale"))]) for c in copies]
         del copies
         return [lambda g=g: g(x) for g in gs], nb
-    if method.startswith("gemv"):
-        from qerl.kernels.gemv import fp4_gemv
-
-        return [lambda c=c: fp4_gemv(x, fmt, [_member(c)], config=tile) for c in copies], nb
     if method.startswith("dequant_cublas"):
         w = dequant.scratch(x.device, torch.bfloat16, n, k)
 
@@ -150,7 +134,7 @@ def check_accuracy(method: str, n: int, k: int, m: int, legacy=None) -> float:
     """Relative error of one call against dequantize-in-float32-then-matmul."""
     if method == "cublas_bf16":
         return 0.0
-    fmt, tile = _fmt_tile(method)
+    fmt = method.rsplit("_", 1)[1]
     t = _fp4(n, k, fmt)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ FORMATS[fmt].dequantize(t, torch.float32).t()
@@ -159,10 +143,6 @@ def check_accuracy(method: str, n: int, k: int, m: int, legacy=None) -> float:
 
         y = HummingFp4(fmt, [(t["weight_packed"], t["weight_scale"],
                               t.get("weight_global_scale"))])(x)
-    elif method.startswith("gemv"):
-        from qerl.kernels.gemv import fp4_gemv
-
-        y = fp4_gemv(x, fmt, [_member(t)], config=tile)
     elif method.startswith("dequant"):
         w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
         y = F.linear(x, dequant.dequantize_into(w, fmt, t["weight_packed"], t["weight_scale"],
@@ -175,8 +155,6 @@ def check_accuracy(method: str, n: int, k: int, m: int, legacy=None) -> float:
 
 def run_shapes(args, results: dict, dump, legacy) -> None:
     methods = args.methods.split(",")
-    methods += [f"gemv_{fmt}@{tile}" for fmt in ("nvfp4",) for tile in args.gemv_tiles.split(",")
-                if tile]
     if legacy is not None:
         methods += ["legacy_triton_nvfp4"]
     for name, n, k in model_gemm_shapes(args.model):
@@ -254,8 +232,6 @@ def main() -> None:  # pragma: no cover - GPU only
     ap.add_argument("--ms", default="1,16,64,256")
     ap.add_argument("--methods", default="cublas_bf16,humming_nvfp4,humming_mxfp4,"
                                          "dequant_cublas_nvfp4")
-    ap.add_argument("--gemv-tiles", default="",
-                    help="extra gemv_nvfp4 methods, one per tile BN:BK:WARPS, comma-separated")
     ap.add_argument("--crossover", action="store_true",
                     help="only humming vs Triton dequantize + cuBLAS (the humming_max_m choice)")
     ap.add_argument("--train", action="store_true", help="only the training autograd timing")

@@ -33,12 +33,11 @@ try:
     print('torch.sort [64, 152064] captured')
 except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[:300])"
       timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -v -p no:cacheprovider -n 8 -rfE \
-        tests/kernels/test_gpu_fp4.py tests/kernels/test_dispatch.py tests/kernels/test_gemv.py \
+        tests/kernels/test_gpu_fp4.py tests/kernels/test_dispatch.py \
         tests/rollout/test_decode_kernels.py \
         tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
-        tests/rollout/test_fast_engine.py::test_gpu_gemv_decode_matches_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tee "$OUT/gpu_tests.log" ;;
     samplertests)  # the sampling kernels against torch on the GPU, and the engine graph at real width
       timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "sample or real_model_width" \
@@ -68,22 +67,6 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --samples 16 --budget-s 140 --json "$OUT/tune_7b.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
-    gemvtests)  # the FP4 GEMV (and the LoRA in its launch) against float32, the fused LoRA kernel,
-      # and the engine's GPU tests at one row (through the GEMV) and at 8 (humming)
-      # (GEMVTESTS_K: a -k filter over all three, e.g. "gemv or True-1-1-64 or True-1-8-64";
-      # GEMVTESTS_LORA=0 leaves out the fused LoRA kernel's tests)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/kernels/test_gemv.py \
-        tests/rollout/test_fast_engine.py::test_gpu_gemv_decode_matches_teacher_forcing \
-        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
-        ${GEMVTESTS_K:+-k} ${GEMVTESTS_K:+"$GEMVTESTS_K"} 2>&1 | grep -v Warning | tail -25
-      echo "pytest rc=${PIPESTATUS[0]}"
-      if [ "${GEMVTESTS_LORA:-1}" != 0 ]; then
-        timeout 60 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "lora" 2>&1 | grep -v Warning | tail -8
-        echo "pytest rc=${PIPESTATUS[0]}"
-      fi ;;
-    gemvmicro)  # the GEMV's tiles against humming at one row, cold L2
-      timeout ${GEMV_TIMEOUT:-150} python3 benchmarks/fp4_matmul.py --model ${GEMV_MODEL:-7b} --ms 1 \
-        --methods ${GEMV_METHODS:-humming_nvfp4,gemv_nvfp4} --gemv-tiles "${GEMV_TILES:-}" --json "$OUT/fp4_gemv.json" ;;
     crossover)
       timeout 90 python3 benchmarks/fp4_matmul.py --model 7b --crossover --ms 128,512,1024,2048 \
         --json "$OUT/fp4_crossover.json" ;;

@@ -69,8 +69,7 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_side": dict(lora_overlap=True),
                        "fast_nvfp4_lora_cublas": dict(lora_kernel="cublas"),
                        "fast_nvfp4_lora_fused64": dict(fused_lora_max_rows=64),
-                       "fast_nvfp4_lora_ct": dict(humming_layout="ct"),
-                       "fast_nvfp4_lora_nogemv": dict(gemv_max_rows=0)}
+                       "fast_nvfp4_lora_ct": dict(humming_layout="ct")}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128

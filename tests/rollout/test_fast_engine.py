@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from qerl.rollout.base import RolloutEngine, SamplingParams
 from qerl.rollout.fast import FastEngine
@@ -324,9 +323,6 @@ def test_bad_engine_options() -> None:
             FastEngine(fused_lora_max_rows=bad)
     with pytest.raises(ValueError, match="humming_layout must be ct or bf16_scales"):
         FastEngine(humming_layout="e4m3")
-    for bad in (-1, 2, False, 1.0):
-        with pytest.raises(ValueError, match="gemv_max_rows must be an int in 0..1"):
-            FastEngine(gemv_max_rows=bad)
     with pytest.raises(ValueError, match="EOS"):
         FastEngine(backend="torch").generate(_model("qwen2"), PROMPTS, SamplingParams(
             n=1, greedy=True, max_new_tokens=2, eos_token_ids=tuple(range(9))))
@@ -436,30 +432,11 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows, max_r
         "sampling kernel fell back"
     want = "none" if not lora else ("fused" if n_rows <= max_rows else "cublas")
     assert eng.last_stats["lora_kernel"] == want
-    # one row: every FP4 group through the GEMV (the default gemv_max_rows), else through humming
-    assert eng.last_stats["gemv_groups"] == (8 if fmt and n_rows == 1 else 0)
     # by default only the cuBLAS pair runs on the side stream
     side = overlap if overlap is not None else want == "cublas"
     assert eng.last_stats["lora_stream"] == ("side" if side else "main")
     err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
     assert err.mean() < 0.05, err.mean()
-
-
-@gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_gemv_decode_matches_teacher_forcing(fmt) -> None:
-    """One row a wave: the FP4 groups through the GEMV (the default) or humming / the dequantize
-    path (``gemv_max_rows=0``); both graph-replayed, both agree with a full forward pass."""
-    model = _gpu_model(fmt)
-    sp = SamplingParams(n=1, temperature=1.0, top_p=0.95, max_new_tokens=32, eos_token_ids=(),
-                        pad_token_id=0)
-    for rows in (1, 0):
-        eng = FastEngine(gemv_max_rows=rows)
-        out = eng.generate(model, PROMPTS[:1], sp, generator=torch.Generator().manual_seed(0))
-        assert eng.last_stats["cuda_graph"]
-        assert eng.last_stats["gemv_groups"] == (4 * model.config.num_hidden_layers if rows else 0)
-        err = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
-        assert err.mean() < 0.05 and err.max() < 0.5, (rows, err.mean(), err.max())
 
 
 @gpu
@@ -522,8 +499,8 @@ def test_group_gemm_paths_equal_peft(monkeypatch: pytest.MonkeyPatch, fp4: str, 
     gemms = {id(g): GroupGemm(g, fp4, torch.bfloat16, layout=layout) for g in plan.groups()}
     lay = plan.layers[0]
     assert (gemms[id(lay.qkv)].humming is not None) == (fp4 == "humming")
-    assert (gemms[id(lay.qkv)].col_scale_for(6) is not None) == (fp4 == "humming")
-    assert (gemms[id(lay.o)].col_scale_for(6) is not None) == (layout == "bf16_scales")
+    assert (gemms[id(lay.qkv)].col_scale is not None) == (fp4 == "humming")
+    assert (gemms[id(lay.o)].col_scale is not None) == (layout == "bf16_scales")
     if fp4 == "humming":
         assert gemms[id(lay.qkv)].humming.layout == layout
     assert gemms[id(plan.lm_head)].humming is None  # dense: not a humming group
@@ -535,53 +512,6 @@ def test_group_gemm_paths_equal_peft(monkeypatch: pytest.MonkeyPatch, fp4: str, 
         refs = [at.q_proj(x), at.k_proj(x), at.v_proj(x), at.o_proj(x)]
         for ours, ref in zip(outs, refs, strict=True):
             assert float((ours.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the GEMV needs Triton: CUDA, or CPU under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_group_gemm_gemv_rows(fmt: str) -> None:
-    """One bf16 row of a group runs as one GEMV launch (no per-column scales left to apply, the
-    stored tensors read in place), with the same outputs as the quantized modules; more rows,
-    float32, ``humming_only``, the torch backend or a dense group take the other paths."""
-    from qerl.kernels import dequant
-    from qerl.rollout.fast.gemm import GroupGemm
-    from qerl.rollout.fast.plan import build_plan
-
-    if not dequant.HAS_TRITON:
-        pytest.skip("needs Triton")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = _model("qwen2", fmt=fmt, device=dev, dtype=torch.bfloat16)
-    plan = build_plan(model)
-    lay = plan.layers[0]
-    bf = torch.bfloat16
-    gm = GroupGemm(lay.qkv, "triton", bf, gemv_max_rows=1)
-    assert gm.uses_gemv(1) and not gm.uses_gemv(2)
-    assert gm.col_scale_for(1) is None
-    for other in (GroupGemm(lay.qkv, "triton", bf, humming_only=True, gemv_max_rows=1),
-                  GroupGemm(lay.qkv, "torch", bf, gemv_max_rows=1),
-                  GroupGemm(lay.qkv, "triton", torch.float32, gemv_max_rows=1),
-                  GroupGemm(plan.lm_head, "triton", bf, gemv_max_rows=1),
-                  GroupGemm(lay.qkv, "triton", bf, gemv_max_rows=0)):
-        assert not other.uses_gemv(1)
-    at = model.model.layers[0].self_attn
-    x = torch.randn(1, 64, device=dev).to(bf)
-    with torch.no_grad():
-        outs = gm.raw(x)  # raw: without the bias
-        refs = [F.linear(x.float(), dequant_ref(p)) for p in (at.q_proj, at.k_proj, at.v_proj)]
-    assert [o.shape[1] for o in outs] == [64, 32, 32]
-    for ours, ref in zip(outs, refs, strict=True):
-        assert float((ours.float() - ref).norm() / ref.norm()) < 1e-2
-
-
-def dequant_ref(mod) -> torch.Tensor:
-    """A QuantLinear's weight, dequantized in float32 by the codec."""
-    from qerl.quant.formats import FORMATS
-
-    t = {"weight_packed": mod.weight_packed, "weight_scale": mod.weight_scale}
-    if getattr(mod, "weight_global_scale", None) is not None:
-        t["weight_global_scale"] = mod.weight_global_scale
-    return FORMATS[mod.fmt].dequantize(t, torch.float32)
 
 
 def test_host_parking_moves_storage_and_brings_it_back() -> None:

@@ -8,8 +8,7 @@ sampling.
 LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` into a static buffer: one launch of
 the fused kernel (:mod:`qerl.rollout.fast.lora`, up to its rows, on the main stream by default) or
 two cuBLAS GEMMs (on a side stream while the main stream runs the group's base GEMM); the
-consumer kernel adds ``lo`` in its epilogue (one load per element), after the streams join. Where
-the group runs through the FP4 GEMV (decode at one row), its LoRA runs inside the GEMV's launch.
+consumer kernel adds ``lo`` in its epilogue (one load per element), after the streams join.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ def _join(st: State, lo: torch.Tensor | None) -> None:
 def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.Tensor | None,
                rows: int) -> list[K.Epilogue]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
-    cs = gemm.col_scale_for(rows) if gemm is not None else None
+    cs = gemm.col_scale if gemm is not None and gemm.uses_humming(rows) else None
     return [K.Epilogue(raw=y, offset=o, col_scale=cs, bias=g.bias, lora=lo)
             for o, y in zip(g.offsets, raws, strict=True)]
 
@@ -83,13 +82,7 @@ def _raw(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Tensor]:
 
 def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor,
               rows: int) -> list[K.Epilogue]:
-    """The group's base GEMM with its LoRA alongside (or inside the FP4 GEMV's launch), as
-    epilogues for the consumer kernel."""
-    fused = st.lora_fused.get(kind) if st.lora_fused and g.r_total else None
-    if fused is not None and fused[0].on_gemv:
-        launch, acc, counters = fused
-        raws = ctx.gemms[id(g)].raw(x, lora=launch.gemv_lora(g.a_cat, g.b_full, acc, counters))
-        return _epilogues(ctx, g, raws, None, rows)
+    """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel."""
     lo = _lora(st, kind, g, x)
     epis = _epilogues(ctx, g, _raw(ctx, g, x), lo, rows)
     _join(st, lo)

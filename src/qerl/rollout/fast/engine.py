@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from qerl.kernels.backend import resolve_backend
-from qerl.kernels.gemv import DECODE_MAX_M
 from qerl.kernels.humming_gemm import LAYOUTS
 from qerl.rollout.base import RolloutBatch, SamplingParams
 from qerl.rollout.fast import decode
@@ -61,7 +60,8 @@ class FastEngine:
         cache_multiple: KV capacity rounded up to this, so graphs are reused across calls.
         kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
-        lora_overlap: LoRA on a side stream (CUDA); ``None``: only the cuBLAS pair's.
+        lora_overlap: LoRA on a side stream (CUDA); ``None``: only the cuBLAS pair (the side
+            stream never overlapped humming's GEMMs; the fused kernel is faster without it).
         lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
             :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
             most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
@@ -69,18 +69,18 @@ class FastEngine:
         fused_lora_max_rows: the most rows of a wave for the fused LoRA (1 to ``lora.MAX_ROWS``).
         humming_layout: humming's copy of NVFP4 (:mod:`qerl.kernels.humming_gemm`): ``"ct"``
             (E4M3 group scales, as stored) or ``"bf16_scales"`` (bf16 ones; 3-4 % faster).
-        gemv_max_rows: 1: decode waves of one row run their FP4 groups (bf16) through the Triton
-            GEMV (:mod:`qerl.kernels.gemv`), LoRA in its launch, instead of humming; 0: never.
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
-        keep_state: keep the KV cache, sampling buffers and graph between calls (benchmarks); by
-            default they are released when ``generate`` returns, for the trainer's update (the
+        keep_state: keep the KV cache, sampling buffers and captured graph between calls (a
+            benchmark's repeated calls); by default they are released when ``generate`` returns, so
+            the memory sized from the free device memory goes back to the trainer's update (the
             plan and the prepared 4-bit GEMM tensors are kept either way).
         single_copy: hold the 4-bit weights once on the GPU (:mod:`qerl.rollout.fast.residency`):
-            humming's copies exist only during ``generate`` (all rows run through them) while the
-            trainer's buffers wait in pinned host memory: one host round trip and one humming
-            preparation per call, for models whose two copies would not fit (32B+ on one GPU).
+            humming's prepared copies exist only during ``generate`` (every row count, prefill
+            too, runs through them) while the trainer's buffers of those layers wait in pinned host
+            memory; costs one host round trip of the 4-bit weights and humming's preparation per
+            call. For models whose two copies would not fit (32B and larger on one GPU).
     """
 
     name = "fast"
@@ -91,12 +91,11 @@ class FastEngine:
                  keep_state: bool = False, single_copy: bool = False,
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
-                 humming_layout: str = "bf16_scales", gemv_max_rows: int = DECODE_MAX_M) -> None:
+                 humming_layout: str = "bf16_scales") -> None:
         _choice("backend", backend, ("auto", "triton", "torch"))
         _choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         _choice("humming_layout", humming_layout, LAYOUTS)
         _int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
-        _int_in("gemv_max_rows", gemv_max_rows, 1, lo=0)
         if attention_splits is not None:
             _int_in("attention_splits", attention_splits, 64)
         if kv_budget_gib is not None and not kv_budget_gib > 0:
@@ -116,7 +115,6 @@ class FastEngine:
         self.lora_kernel = lora_kernel
         self.fused_lora_max_rows = fused_lora_max_rows
         self.humming_layout = humming_layout
-        self.gemv_max_rows = gemv_max_rows
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -155,8 +153,7 @@ class FastEngine:
             gemms = {}
             for g in plan.groups():  # one group at a time, so single_copy never holds both copies
                 gm = gemms[id(g)] = GroupGemm(g, fp4, plan.dtype, humming_only=self.single_copy,
-                                              layout=self.humming_layout,
-                                              gemv_max_rows=self.gemv_max_rows)
+                                              layout=self.humming_layout)
                 if self.single_copy and gm.humming is not None:
                     park_group(self._parking, g)
             self._gemms = gemms
@@ -168,8 +165,10 @@ class FastEngine:
     @torch.no_grad()
     def generate(self, model: nn.Module, prompt_ids: list[list[int]], sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> RolloutBatch:
-        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("fast engine: generate needs at least one prompt, none of them empty")
+        if not prompt_ids:
+            raise ValueError("generate needs at least one prompt")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("fast engine: empty prompts are not supported")
         was_training = model.training
         model.eval()
         try:
@@ -195,7 +194,8 @@ class FastEngine:
         elif plan.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(plan.device)
             held = 0 if self._state is None else self._state.nbytes()
-            cached = torch.cuda.memory_reserved(plan.device) - torch.cuda.memory_allocated(plan.device)
+            cached = torch.cuda.memory_reserved(plan.device) \
+                - torch.cuda.memory_allocated(plan.device)
             budget = self.kv_budget_fraction * (free + cached + held)
         else:
             return n_rows
@@ -242,12 +242,11 @@ class FastEngine:
         done = torch.cat([p[4] for p in parts])
         if not sp.eos_token_ids:
             done.zero_()
-        gms = list(gemms.values()) if gemms else []
+        humming = sum(gm.humming is not None for gm in gemms.values()) if gemms else 0
+        layouts = sorted({gm.humming.layout for gm in gemms.values() if gm.humming is not None}
+                         if gemms else ())
         self.last_stats = {"backend": backend, "fp4_backend": self._gemm_backend,
-                           "humming_groups": sum(gm.humming is not None for gm in gms),
-                           "humming_layouts": sorted({gm.humming.layout for gm in gms
-                                                      if gm.humming is not None}),
-                           "gemv_groups": sum(gm.uses_gemv(W) for gm in gms),
+                           "humming_groups": humming, "humming_layouts": layouts,
                            "parked_gib": self._parking.nbytes() / GiB, "rows": N,
                            "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
                            "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None,
@@ -326,7 +325,8 @@ class FastEngine:
 
     # -- state --------------------------------------------------------------------------------
 
-    def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str, backend: str) -> State:
+    def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
+                   backend: str) -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
@@ -338,7 +338,7 @@ class FastEngine:
         fused = (self.lora_kernel == "fused" and backend == "triton"
                  and rows <= self.fused_lora_max_rows
                  and any(g.r_total for g in plan.groups()) and fused_lora_ok(plan.device, plan.dtype))
-        st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused, self._gemms)
+        st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused)
         overlap = self.lora_overlap  # default: a side stream for the cuBLAS pair only
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None
@@ -391,9 +391,9 @@ def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
 
 
-def _int_in(name: str, value, hi: int, lo: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name} must be an int in {lo}..{hi}, got {value!r}")
+def _int_in(name: str, value, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        raise ValueError(f"{name} must be an int in 1..{hi}, got {value!r}")
 
 
 #: alias (the issue calls it the fast rollout engine)

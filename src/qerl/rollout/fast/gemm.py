@@ -1,9 +1,6 @@
 """The base projections of one plan group on CUDA: raw outputs (no bias, no LoRA; with per-column
-scales still to apply when :meth:`GroupGemm.col_scale_for` gives some).
+scales still to apply when :attr:`GroupGemm.col_scale` is set).
 
-* all members FP4 of one format, one bf16 row (decode at batch 1) with ``gemv_max_rows`` set,
-  the FP4 weights on the GPU: our Triton GEMV (:mod:`qerl.kernels.gemv`), the whole group in one
-  launch on the stored tensors (and its LoRA in that launch, when the state has one for it);
 * all members FP4 of one format, backend ``humming``, at most ``humming_max_m()`` rows (any
   number with ``humming_only``): one humming GEMM for the whole group (q/k/v or gate/up stacked
   along N), prepared once per plan, in humming's ``layout`` of the weights (NVFP4 in bf16 only:
@@ -21,7 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from qerl.kernels import dequant, gemv
+from qerl.kernels import dequant
 from qerl.kernels.backend import humming_max_m
 from qerl.rollout.fast.plan import Group, Member
 
@@ -32,17 +29,12 @@ class GroupGemm:
     """Runs ``x @ W_i^T`` for every member ``i`` of ``group`` (see the module docstring)."""
 
     def __init__(self, group: Group, backend: str, dtype: torch.dtype,
-                 humming_only: bool = False, layout: str = "ct", gemv_max_rows: int = 0) -> None:
+                 humming_only: bool = False, layout: str = "ct") -> None:
         self.group = group
         self.backend = backend
         self.dtype = dtype
         self.humming_only = humming_only  # every row count through humming (the source may be parked)
         self.humming = None
-        # the GEMV reads the stored tensors: not with humming_only (they may be parked on the host)
-        usable = (group.all_fp4 and backend != "torch" and dequant.HAS_TRITON and not humming_only
-                  and dtype == torch.bfloat16 and group.in_f % 32 == 0
-                  and len(group.members) <= gemv.MAX_MEMBERS)
-        self.gemv_max_rows = min(gemv_max_rows, 1) if usable else 0  # the GEMV takes one row
         if backend == "humming" and group.all_fp4 and dtype in (torch.bfloat16, torch.float16):
             from qerl.kernels import humming_gemm
 
@@ -57,17 +49,14 @@ class GroupGemm:
                               f"({type(e).__name__}: {e}); it runs through the Triton dequantize "
                               "+ cuBLAS path", stacklevel=2)
 
-    def col_scale_for(self, rows: int) -> torch.Tensor | None:
-        """Per-column factors the consumer must apply to the raw output of ``rows`` rows (humming's
-        ``col_scale`` where humming runs them, else ``None``)."""
-        return self.humming.col_scale if self.uses_humming(rows) else None
-
-    def uses_gemv(self, rows: int) -> bool:
-        return 0 < rows <= self.gemv_max_rows
+    @property
+    def col_scale(self) -> torch.Tensor | None:
+        """Per-column factors the consumer must apply to humming's output (else ``None``)."""
+        return None if self.humming is None else self.humming.col_scale
 
     def uses_humming(self, rows: int) -> bool:
-        return self.humming is not None and 0 < rows and not self.uses_gemv(rows) and (
-            self.humming_only or rows <= humming_max_m())
+        return self.humming is not None and 0 < rows and (self.humming_only
+                                                          or rows <= humming_max_m())
 
     def _impl(self) -> str:
         return "triton" if dequant.HAS_TRITON and self.backend != "torch" else "torch"
@@ -82,16 +71,10 @@ class GroupGemm:
             row += m.out_f
         return w
 
-    def raw(self, x: torch.Tensor, lora: gemv.GemvLora | None = None) -> list[torch.Tensor]:
+    def raw(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x [M, K]`` -> the members' raw outputs ``[M, N_i]`` (views of one buffer when the
-        group runs as one GEMM); ``lora``: the group's LoRA added in the GEMV's launch."""
+        group runs as one GEMM)."""
         g = self.group
-        if lora is not None and not self.uses_gemv(x.shape[0]):
-            raise ValueError(f"{g.members[0].name}: a LoRA in the launch needs the GEMV path")
-        if self.uses_gemv(x.shape[0]):
-            y = gemv.fp4_gemv(x, g.members[0].fmt, [m.fp4_tensors() for m in g.members],
-                              lora=lora)
-            return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
         if self.uses_humming(x.shape[0]):
             y = self.humming(x if x.is_contiguous() else x.contiguous())
             return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]

@@ -39,7 +39,6 @@ import warnings
 
 import torch
 
-from qerl.kernels.gemv import GemvLora, gemv_config
 from qerl.rollout.fast.kernels import HAS_TRITON, np2, tl, triton
 
 __all__ = ["FUSED_MAX_M", "MAX_ROWS", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
@@ -91,12 +90,8 @@ class LoraLaunch:
     """What one group's fused launch needs besides its tensors: tile rank starts (a device
     tensor), the rank window and the shrink split (from the input features)."""
 
-    def __init__(self, out_f: list[int], ranks: list[int], in_f: int, device: torch.device,
-                 on_gemv: bool = False) -> None:
-        # on_gemv: the expand runs in the FP4 GEMV's programs (qerl.kernels.gemv), tiles of its width
-        self.on_gemv = on_gemv
-        self.block_n = gemv_config(sum(out_f), in_f)[0] if on_gemv else BLOCK_N
-        firsts, self.window = tile_rank_starts(out_f, ranks, self.block_n)
+    def __init__(self, out_f: list[int], ranks: list[int], in_f: int, device: torch.device) -> None:
+        firsts, self.window = tile_rank_starts(out_f, ranks, BLOCK_N)
         self.r0 = torch.tensor(firsts, dtype=torch.int32, device=device)
         self.n_tiles = len(firsts)
         self.r_total = sum(ranks)
@@ -113,14 +108,6 @@ class LoraLaunch:
         """Programs (tickets) a launch takes."""
         return self.split + self.n_tiles
 
-    def gemv_lora(self, a_cat: torch.Tensor, b_full: torch.Tensor, acc: torch.Tensor,
-                  counters: torch.Tensor) -> GemvLora:
-        """This launch's LoRA for :func:`qerl.kernels.gemv.fp4_gemv` (``on_gemv`` launches)."""
-        if not self.on_gemv:
-            raise ValueError("gemv_lora needs a launch made with on_gemv=True")
-        return GemvLora(a_cat, b_full, acc, counters, self.r0, self.window, self.split,
-                        self.k_per, self.block_n)
-
 
 def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
                acc: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch) -> torch.Tensor:
@@ -136,8 +123,6 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
         raise ValueError("fused_lora needs row-major x (unit column stride), a_cat and b_full")
     if counters.dtype != torch.int64 or counters.numel() < 2:
         raise ValueError("fused_lora needs int64 counters [2]")
-    if launch.on_gemv:
-        raise ValueError("fused_lora: this launch's expand runs in the FP4 GEMV (gemv_lora)")
     # the ticket protocol needs every launch on these counters to have this launch's programs
     if (r != launch.r_total or -(-n // BLOCK_N) != launch.n_tiles
             or -(-k // launch.k_per) != launch.split):
@@ -194,7 +179,6 @@ def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 if HAS_TRITON:
-    from qerl.kernels.gemv import shrink_slice, wait_count
 
     @triton.jit
     def _lora_kernel(x_ptr, sx, a_ptr, b_ptr, acc_ptr, lo_ptr, slo, cnt_ptr, r0_ptr, M, K, R, N,
@@ -209,8 +193,24 @@ if HAS_TRITON:
         mr = M * R
         cur = acc_ptr + (launch % 2) * mr  # this launch's buffer
         if lt < SPLIT:  # shrink: features [lt * BK, (lt + 1) * BK), added into cur [M, R]
-            shrink_slice(x_ptr, sx, a_ptr, acc_ptr, cur, cnt_ptr, lt, launch, M, K, R, SPLIT,
-                         BM, BK, BR, ZB)
+            rr = tl.arange(0, BR)
+            rk = rr < R
+            offs = lt * BK + tl.arange(0, BK)
+            km = offs < K
+            xt = tl.load(x_ptr + rows[:, None] * sx + offs[None, :],
+                         mask=rmask[:, None] & km[None, :], other=0.0)
+            at = tl.load(a_ptr + rr[:, None] * K + offs[None, :], mask=rk[:, None] & km[None, :],
+                         other=0.0)
+            part = tl.dot(xt, tl.trans(at))
+            tl.atomic_add(cur + rows[:, None] * R + rr[None, :], part,
+                          mask=rmask[:, None] & rk[None, :], sem="relaxed")
+            # clear this ticket's share of the other buffer, which the next launch adds into
+            share = tl.cdiv(mr, SPLIT)
+            z = lt * share + tl.arange(0, ZB)
+            tl.store(acc_ptr + (1 - launch % 2) * mr + z, tl.zeros((ZB,), tl.float32),
+                     mask=(tl.arange(0, ZB) < share) & (z < mr))
+            tl.debug_barrier()  # every thread's additions before the one release below
+            tl.atomic_add(cnt_ptr + 1, 1, sem="release")
         else:  # expand: columns [tile * BN, (tile + 1) * BN)
             tile = lt - SPLIT
             rs = tl.load(r0_ptr + tile) + tl.arange(0, RS)
@@ -221,7 +221,10 @@ if HAS_TRITON:
             # latency overlaps the shrink programs' work
             b = tl.load(b_ptr + cols[:, None] * R + rs[None, :], mask=cm[:, None] & rsm[None, :],
                         other=0.0)
-            wait_count(cnt_ptr, (launch + 1) * SPLIT)  # every shrink of this launch and before
+            want = (launch + 1) * SPLIT  # every shrink of this launch and of the ones before
+            done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+            while done < want:
+                done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
             xa = tl.load(cur + rows[:, None] * R + rs[None, :],
                          mask=rmask[:, None] & rsm[None, :], other=0.0, cache_modifier=".cg")
             y = tl.dot(xa.to(DT), tl.trans(b))

@@ -75,12 +75,10 @@ def _lora_buffers(plan: Plan, rows: int, dev: torch.device) -> tuple[dict, dict]
     return xa, out
 
 
-def _fused_lora(plan: Plan, rows: int, dev: torch.device, gemms: dict | None) -> dict | None:
+def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> dict | None:
     """The fused LoRA kernel's launch, accumulator and counters per group kind (one set per
     kind: every launch on a set has the same programs), when it takes this many rows and every
-    layer's group of a kind has the same shape (else ``None``). A kind whose groups all run
-    through the FP4 GEMV at this many rows (``gemms``) gets a launch inside the GEMV's."""
-    from qerl.kernels.gemv import gemv_config
+    layer's group of a kind has the same shape (else ``None``)."""
     from qerl.rollout.fast.lora import MAX_ROWS, LoraLaunch
 
     if rows > MAX_ROWS:
@@ -93,11 +91,7 @@ def _fused_lora(plan: Plan, rows: int, dev: torch.device, gemms: dict | None) ->
             return None
         out_f, ranks, in_f = shapes.pop()
         if sum(ranks):
-            groups = [getattr(lay, kind) for lay in plan.layers]
-            bn = gemv_config(sum(out_f), in_f)[0]  # the GEMV's tile: no tile across members
-            on_gemv = gemms is not None and all(f % bn == 0 for f in out_f) \
-                and all(id(g) in gemms and gemms[id(g)].uses_gemv(rows) for g in groups)
-            lau = LoraLaunch(list(out_f), list(ranks), in_f, dev, on_gemv=on_gemv)
+            lau = LoraLaunch(list(out_f), list(ranks), in_f, dev)
             fused[kind] = (lau, torch.zeros(lau.acc_numel(rows), device=dev),
                            torch.zeros(2, dtype=torch.int64, device=dev))
     return fused
@@ -105,12 +99,11 @@ def _fused_lora(plan: Plan, rows: int, dev: torch.device, gemms: dict | None) ->
 
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
               side: torch.cuda.Stream | None, attn_splits: int | None = None,
-              fused_lora: bool = False, gemms: dict | None = None) -> State:
+              fused_lora: bool = False) -> State:
     """Buffers for ``rows`` rows and ``cap`` KV slots; ``side``: the LoRA side stream (the
     engine's one stream: cuBLAS keeps a workspace per stream it has run on, for the process);
     ``attn_splits``: the decode attention's splits (``None``: :func:`kernels.attention_splits`);
-    ``fused_lora``: LoRA through :mod:`qerl.rollout.fast.lora` where it applies (``gemms``:
-    the plan's group GEMMs, for the groups whose LoRA runs inside the FP4 GEMV)."""
+    ``fused_lora``: LoRA through :mod:`qerl.rollout.fast.lora` where it applies."""
     dev, dt = plan.device, plan.dtype
     shape = (rows, plan.n_kv, cap, plan.head_dim)
 
@@ -118,7 +111,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         return torch.zeros(s, dtype=dtype, device=dev)
 
     xa, lo = _lora_buffers(plan, rows, dev)
-    fused = _fused_lora(plan, rows, dev, gemms) if fused_lora and lo else None
+    fused = _fused_lora(plan, rows, dev) if fused_lora and lo else None
     if attn_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         attn_splits = K.attention_splits(rows, plan.n_kv, cap, sms)

@@ -57,7 +57,7 @@ def group_forward(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Te
     if gemm is not None:
         lead = x.shape[:-1]
         raws = gemm.raw(x.reshape(-1, x.shape[-1]))
-        cs = gemm.col_scale_for(raws[0].shape[0])
+        cs = gemm.col_scale if gemm.uses_humming(raws[0].shape[0]) else None
         outs = []
         for o, m, y in zip(g.offsets, g.members, raws, strict=True):
             bias = g.bias[o:o + m.out_f] if g.bias is not None and m.kind != "module" else None
