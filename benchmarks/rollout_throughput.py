@@ -362,13 +362,13 @@ def main() -> None:
                     help="FastEngine(attention_splits=...) for every fast column (default: automatic)")
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus of every column (1.0: none)")
     args = ap.parse_args()
-    bad_rows = [r for r in args.rows.split(",") if r not in ROWS]
-    bad_cols = [c for c in args.columns.split(",") if c not in COLUMNS + EXTRA_COLUMNS]
-    if bad_rows or bad_cols:  # before anything touches the GPU
-        ap.error("; ".join(
-            [f"unknown --rows {', '.join(bad_rows)} (known: {', '.join(ROWS)})"] * bool(bad_rows)
-            + [f"unknown --columns {', '.join(bad_cols)} (known: "
-               f"{', '.join(COLUMNS + EXTRA_COLUMNS)})"] * bool(bad_cols)))
+    rows, cols = args.rows.split(","), args.columns.split(",")
+    unknown = [f"unknown --{flag} {', '.join(bad)} (known: {', '.join(known)})"
+               for flag, names, known in (("rows", rows, list(ROWS)),
+                                          ("columns", cols, COLUMNS + EXTRA_COLUMNS))
+               if (bad := [v for v in names if v not in known])]
+    if unknown:  # before anything touches the GPU
+        ap.error("; ".join(unknown))
     if args.attention_splits is not None:
         ENGINE_KW["attention_splits"] = args.attention_splits
     global CHECK, PROFILE, TOP_P
@@ -376,7 +376,6 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from fp4_matmul import copy_bandwidth, matmul_rate
 
-    cols = args.columns.split(",")
     hf_rows = args.hf_rows.split(",") if args.hf_rows else None
     bw, rate = copy_bandwidth(), matmul_rate()
     dev = torch.cuda.get_device_name()
@@ -402,7 +401,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 
-    for row in args.rows.split(","):
+    for row in rows:
         arch, B, N = ROWS[row]
         N = args.new_tokens or N
         V = ARCH[arch]["vocab_size"]
