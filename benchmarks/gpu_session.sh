@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KEDRO_DISABLE_
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl .whl_kedro/*.whl || exit 1
+  --target /tmp/site .whl/*.whl $(ls .whl_kedro/*.whl 2>/dev/null) || exit 1  # .whl_kedro: paper7b only
 export PYTHONPATH=/tmp/site:$PWD/src
 export QERL_HUMMING_TUNING=$OUT/humming_tuning_h200.json
 [ -f benchmarks/results/humming_tuning_h200.json ] && cp benchmarks/results/humming_tuning_h200.json "$QERL_HUMMING_TUNING"
@@ -55,6 +55,14 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/kernels/test_tuning_cache.py 2>&1 | tail -25; echo "pytest rc=${PIPESTATUS[0]}" ;;
     layouttests)  # humming's NVFP4 copy with bf16 group scales against the float32 reference and the ct layout
       timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/kernels/test_gpu_fp4.py -k "humming" 2>&1 | tail -15
+      echo "pytest rc=${PIPESTATUS[0]}" ;;
+    pdltests)  # programmatic dependent launch: the same rollout with and without it, and the engine's
+      # GPU tests (teacher forcing, real width) with it on (the default where the GPU has it)
+      timeout ${PDLTESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 8 -rfE \
+        tests/rollout/test_fast_engine.py::test_gpu_pdl_gives_the_same_rollout \
+        tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
+        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
+        tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing 2>&1 | tail -25
       echo "pytest rc=${PIPESTATUS[0]}" ;;
     singlecopy)  # the single-copy engine leaves nothing of a call behind (cuBLAS workspaces included)
       timeout 90 python3 -m pytest -v -p no:cacheprovider -rfE \

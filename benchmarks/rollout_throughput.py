@@ -17,7 +17,9 @@ LoRA kernel at every batch up to 64 rows, ``FastEngine(fused_lora_max_rows=64)``
 run 27, so the same as ``fast_nvfp4_lora``),
 ``fast_nvfp4_ct`` / ``fast_nvfp4_lora_ct`` (humming's copy of the NVFP4 weights in the stored
 compressed-tensors layout, ``FastEngine(humming_layout="ct")``; the other columns run the engine's
-default, bf16 group scales). Per cell: tokens/s
+default, bf16 group scales), ``fast_bf16_nopdl`` / ``fast_nvfp4_nopdl`` / ``fast_nvfp4_lora_nopdl``
+(the decode kernels without programmatic dependent launch, ``FastEngine(pdl=False)``; the other
+columns run the engine's default, PDL where the GPU has it). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -69,8 +71,10 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_side": dict(lora_overlap=True),
                        "fast_nvfp4_lora_cublas": dict(lora_kernel="cublas"),
                        "fast_nvfp4_lora_fused64": dict(fused_lora_max_rows=64),
-                       "fast_nvfp4_lora_ct": dict(humming_layout="ct")}
-EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", *NVFP4_LORA_VARIANTS]
+                       "fast_nvfp4_lora_ct": dict(humming_layout="ct"),
+                       "fast_nvfp4_lora_nopdl": dict(pdl=False)}
+EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl",
+                 *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
@@ -444,6 +448,8 @@ def main() -> None:
             record("hf_bf16", lambda: run_hf(model, B, N, V), model)
         if "fast_bf16" in cols:
             record("fast_bf16", lambda: run_fast(model, B, N, V), model)
+        if "fast_bf16_nopdl" in cols:
+            record("fast_bf16_nopdl", lambda: run_fast(model, B, N, V, pdl=False), model)
         if any(c.startswith(("fast_nvfp4", "fast_mxfp4")) or c == "hf_nf4" for c in cols):
             from qerl.quant.linear import quantize_model_
 
@@ -454,6 +460,8 @@ def main() -> None:
                   f"{model_bytes(model) / GiB:.1f} GiB", flush=True)
         if "fast_nvfp4" in cols:
             record("fast_nvfp4", lambda: run_fast(model, B, N, V), model)
+        if "fast_nvfp4_nopdl" in cols:
+            record("fast_nvfp4_nopdl", lambda: run_fast(model, B, N, V, pdl=False), model)
         if "fast_nvfp4_ct" in cols:
             record("fast_nvfp4_ct", lambda: run_fast(model, B, N, V, humming_layout="ct"), model)
         if any(c.startswith("fast_nvfp4_lora") for c in cols):

@@ -72,9 +72,20 @@ def test_tuned_interval_choice() -> None:
     g = object.__new__(humming_gemm.HummingFp4)
     g._tuned = {1: {"t": 1}, 64: {"t": 64}}
     g._tuning = {}
-    assert json.loads(g.tuning_for(1)) == {"t": 1}
-    assert json.loads(g.tuning_for(2)) == {"t": 64}
-    assert json.loads(g.tuning_for(64)) == {"t": 64}
+    assert json.loads(g.tuning_for(1)) == {"t": 1, "use_pdl": False}
+    assert json.loads(g.tuning_for(2)) == {"t": 64, "use_pdl": False}
+    assert json.loads(g.tuning_for(64)) == {"t": 64, "use_pdl": False}
+
+
+def test_tuning_sets_use_pdl_per_call_and_keeps_the_tuned_entry() -> None:
+    """PDL is part of the kernel humming compiles: each (M, pdl) gets its own config string,
+    the tuned entry itself unchanged (a tuned entry that says ``use_pdl`` is overridden)."""
+    g = object.__new__(humming_gemm.HummingFp4)
+    g._tuned = {64: {"t": 64, "use_pdl": False}}
+    g._tuning = {}
+    on, off = json.loads(g.tuning_for(8, pdl=True)), json.loads(g.tuning_for(8))
+    assert on == {"t": 64, "use_pdl": True} and off == {"t": 64, "use_pdl": False}
+    assert g._tuned[64] == {"t": 64, "use_pdl": False} and set(g._tuning) == {(8, True), (8, False)}
 
 
 def test_compile_within_keeps_the_successes_done_by_the_deadline() -> None:

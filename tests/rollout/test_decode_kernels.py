@@ -328,7 +328,9 @@ def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
 
 def test_fused_lora_kernel_compiles_for_hopper() -> None:
     """PTX for sm_90 with the real compiler (no GPU needed): the spin-wait is an acquire load, the
-    done-count a release reduction, the shrink float atomic additions."""
+    done-count a release reduction, the shrink float atomic additions; with PDL, every program
+    waits for the kernel before it (``griddepcontrol.wait``) before its ticket, the first atomic,
+    and only then lets the next kernel launch."""
     import subprocess
     import sys
 
@@ -343,8 +345,8 @@ P = {"x_ptr": "*bf16", "sx": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr
      "lo_ptr": "*bf16", "slo": "i32", "cnt_ptr": "*i64", "r0_ptr": "*i32", "M": "i32", "K": "i32",
      "R": "i32", "N": "i32", "SPLIT": "i32"}
 fn = L._lora_kernel
-for bm, br, bk in ((16, 128, 128), (64, 32, 256)):
-    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, ZB=64, DT=tl.bfloat16)
+for (bm, br, bk), pdl in (((16, 128, 128), False), ((64, 32, 256), False), ((16, 128, 128), True)):
+    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, ZB=64, DT=tl.bfloat16, PDL=pdl)
     sig = {a: ("constexpr" if a in const else P[a]) for a in fn.arg_names}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
@@ -352,8 +354,60 @@ for bm, br, bk in ((16, 128, 128), (64, 32, 256)):
     assert re.search("(ld|atom)[.][^ ]*acquire", ptx), "no acquire load or atomic"
     assert re.search("(red|atom)[.][^ ]*release", ptx), "no release reduction or atomic"
     assert re.search("(red|atom)[.]global[.][^ ]*add[.]f32", ptx), "no float atomic additions"
+    first_atom = re.search("(atom|red)[.]", ptx).start()
+    if pdl:
+        wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        assert 0 <= wait < launch < first_atom, (wait, launch, first_atom)
+    else:
+        assert "griddepcontrol" not in ptx
 print("compiled")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_decode_kernels_wait_for_their_predecessor_first_with_pdl() -> None:
+    """PTX for sm_90 (no GPU needed): with ``PDL`` a decode kernel's first instruction of note is
+    ``griddepcontrol.wait`` (before any global load), then ``launch_dependents``; without it,
+    neither."""
+    import subprocess
+    import sys
+
+    code = """
+import re
+import triton.language as tl
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qerl.rollout.fast import kernels as K
+cases = {
+    K._add_rmsnorm_kernel: ({"h_ptr": "*bf16", "d_ptr": "*bf16", "sd": "i32", "off": "i32",
+                             "cs_ptr": "*fp32", "b_ptr": "*bf16", "lo_ptr": "*bf16", "slo": "i32",
+                             "w_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "eps": "fp32"},
+                            dict(HAS_ADD=True, HAS_CS=True, HAS_BIAS=False, HAS_LORA=True, CH=1024)),
+    K._silu_mul_kernel: ({"g_ptr": "*bf16", "u_ptr": "*bf16", "sg": "i32", "su": "i32",
+                          "cs_ptr": "*fp32", "b_ptr": "*bf16", "lo_ptr": "*bf16", "slo": "i32",
+                          "act_ptr": "*bf16", "M": "i32", "NI": "i32"},
+                         dict(HAS_CS=True, HAS_BIAS=False, HAS_LORA=True, BM=16, BN=128)),
+}
+for fn, (types, const) in cases.items():
+    for pdl in (False, True):
+        c = {**const, "PDL": pdl}
+        sig = {a: ("constexpr" if a in c else types[a]) for a in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        first_load = re.search("ld[.]global", ptx).start()
+        if pdl:
+            wait = ptx.find("griddepcontrol.wait")
+            launch = ptx.find("griddepcontrol.launch_dependents")
+            assert 0 <= wait < launch < first_load, (fn.__name__, wait, launch, first_load)
+        else:
+            assert "griddepcontrol" not in ptx, fn.__name__
+print("compiled")
+"""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

@@ -18,6 +18,7 @@ import torch
 
 from qerl.rollout.base import RolloutEngine, SamplingParams
 from qerl.rollout.fast import FastEngine
+from qerl.rollout.fast.kernels import pdl_supported
 from qerl.rollout.hf import HFGenerateEngine
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [3]]
@@ -323,6 +324,13 @@ def test_bad_engine_options() -> None:
             FastEngine(fused_lora_max_rows=bad)
     with pytest.raises(ValueError, match="humming_layout must be ct or bf16_scales"):
         FastEngine(humming_layout="e4m3")
+    with pytest.raises(ValueError, match="pdl must be True, False or None"):
+        FastEngine(pdl="on")
+    # asked for where it cannot work: refused before the prefill, naming the option and the fix
+    eng = FastEngine(backend="torch", pdl=True)
+    with pytest.raises(ValueError, match=r"pdl=True needs a CUDA GPU .* use pdl=None"):
+        eng.generate(_model("qwen2"), PROMPTS, SamplingParams(n=1, greedy=True, max_new_tokens=2))
+    assert eng._state is None
     with pytest.raises(ValueError, match="EOS"):
         FastEngine(backend="torch").generate(_model("qwen2"), PROMPTS, SamplingParams(
             n=1, greedy=True, max_new_tokens=2, eos_token_ids=tuple(range(9))))
@@ -382,6 +390,7 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
                             eos_token_ids=(), pad_token_id=0)
         out = eng.generate(model, PROMPTS, sp, generator=torch.Generator().manual_seed(0))
         assert eng.last_stats["backend"] == "triton" and eng.last_stats["cuda_graph"]
+        assert eng.last_stats["pdl"] == pdl_supported(torch.device("cuda"))
         if fmt is not None and fp4 != "auto":
             assert eng.last_stats["fp4_backend"] == fp4
             # every decoder group runs as one humming GEMM (only the dense LM head does not)
@@ -440,6 +449,30 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows, max_r
 
 
 @gpu
+@pytest.mark.parametrize("n_rows", [1, 8])
+def test_gpu_pdl_gives_the_same_rollout(n_rows) -> None:
+    """Programmatic dependent launch changes when kernels start, not what they compute: at 7B
+    widths (two layers, NVFP4 + LoRA: humming, the fused LoRA's ticket protocol, every Triton
+    kernel) the greedy rollout with it equals the one without, token for token."""
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch on this GPU / Triton")
+    model = _model("qwen2", fmt="nvfp4", lora=True, device="cuda", dtype=torch.bfloat16,
+                   hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                   num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
+    prompts = PROMPTS if n_rows == 8 else PROMPTS[:1]
+    sp = SamplingParams(n=n_rows // len(prompts), greedy=True, max_new_tokens=24,
+                        eos_token_ids=(), pad_token_id=0)
+    outs = {}
+    for pdl in (False, True):
+        eng = FastEngine(pdl=pdl)
+        outs[pdl] = eng.generate(model, prompts, sp)
+        assert eng.last_stats["pdl"] is pdl and eng.last_stats["cuda_graph"]
+        assert eng.last_stats["lora_kernel"] == "fused"
+    assert torch.equal(outs[True].completion_ids, outs[False].completion_ids)
+    torch.testing.assert_close(outs[True].logprobs, outs[False].logprobs, rtol=0, atol=1e-6)
+
+
+@gpu
 def test_gpu_waves_match_teacher_forcing() -> None:
     model = _gpu_model("nvfp4")
     sp = SamplingParams(n=3, temperature=1.0, top_p=0.95, max_new_tokens=24, eos_token_ids=(),
@@ -472,7 +505,7 @@ class _FakeHumming:
         self.col_scale = torch.cat([torch.full((m[0].shape[0],), 1.0) / m[2].float()
                                     for m in members]) if distinct else None
 
-    def __call__(self, x):
+    def __call__(self, x, pdl=False):
         return (x.float() @ self.w.t()).to(x.dtype)
 
 

@@ -141,11 +141,13 @@ class HummingFp4:
         """humming's ``LayerConfig`` of this GEMM."""
         return self.layer.humming_config
 
-    def tuning_for(self, m: int) -> str:
+    def tuning_for(self, m: int, pdl: bool = False) -> str:
         """The tuning config (a JSON string humming caches kernels by) for ``m`` rows: the tuned
         one whose interval ``(previous tuned M, tuned M]`` holds ``m``, else humming's heuristic
-        choice for ``m``. One config per ``m``, so only kernels that run get compiled."""
-        hit = self._tuning.get(m)
+        choice for ``m``; with ``use_pdl`` set to ``pdl`` (programmatic dependent launch: the
+        kernel may start while the one before it runs, and waits for it before its first load).
+        One config per ``(m, pdl)``, so only kernels that run get compiled."""
+        hit = self._tuning.get((m, pdl))
         if hit is None:
             tuned = [t for t in sorted(self._tuned) if t >= m]
             if tuned:
@@ -154,15 +156,16 @@ class HummingFp4:
                 from humming.tune import get_heuristics_config
 
                 cfg = get_heuristics_config(self.layer_config(), shape_m=m, device=self.device)
-            hit = self._tuning[m] = config_string(cfg)
+            hit = self._tuning[m, pdl] = config_string({**cfg, "use_pdl": bool(pdl)})
         return hit
 
     # -- running ------------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                 tuning: str | None = None) -> torch.Tensor:
-        """``x [M, K]`` (contiguous, ``self.dtype``) -> ``[M, N]``; ``col_scale`` not applied."""
-        return self.layer(x, outputs=out, tuning_config=tuning or self.tuning_for(x.shape[0]))
+                 tuning: str | None = None, pdl: bool = False) -> torch.Tensor:
+        """``x [M, K]`` (contiguous, ``self.dtype``) -> ``[M, N]``; ``col_scale`` not applied;
+        ``pdl``: launched with programmatic dependent launch (see :meth:`tuning_for`)."""
+        return self.layer(x, outputs=out, tuning_config=tuning or self.tuning_for(x.shape[0], pdl))
 
     def nbytes(self) -> int:
         """Bytes of humming's prepared tensors (what this GEMM keeps resident)."""
@@ -197,15 +200,15 @@ def _build_layer(tensors: dict[str, torch.Tensor], n: int, k: int, weight_config
         return layer
 
 
-def precompile(jobs: Sequence[tuple[HummingFp4, int]], workers: int = 16) -> None:
-    """Compile the kernels that ``(gemm, rows)`` pairs will launch, in parallel threads (humming
-    compiles with NVRTC / nvcc, outside the GIL); kernels already compiled are skipped."""
+def precompile(jobs: Sequence[tuple[HummingFp4, int, bool]], workers: int = 16) -> None:
+    """Compile the kernels that ``(gemm, rows, pdl)`` triples will launch, in parallel threads
+    (humming compiles with NVRTC / nvcc, outside the GIL); kernels already compiled are skipped."""
     from concurrent.futures import ThreadPoolExecutor
 
     from humming.kernel.humming import HummingKernel
 
-    todo = {(g.layer_config().to_str(), g.tuning_for(m), g.device.index or 0): None
-            for g, m in jobs if m > 0}
+    todo = {(g.layer_config().to_str(), g.tuning_for(m, p), g.device.index or 0): None
+            for g, m, p in jobs if m > 0}
 
     def compile_one(key):
         layer, tuning, dev = key

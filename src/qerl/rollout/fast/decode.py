@@ -9,6 +9,9 @@ LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` into a static buffe
 the fused kernel (:mod:`qerl.rollout.fast.lora`, up to its rows, on the main stream by default) or
 two cuBLAS GEMMs (on a side stream while the main stream runs the group's base GEMM); the
 consumer kernel adds ``lo`` in its epilogue (one load per element), after the streams join.
+
+``st.pdl``: the Triton kernels and humming's GEMMs are launched with programmatic dependent
+launch (:mod:`qerl.rollout.fast.kernels`); the embedding, the LM head and sampling are not.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | Non
     with torch.cuda.stream(st.side) if st.side is not None else contextlib.nullcontext():
         if st.lora_fused is not None:
             launch, acc, counters = st.lora_fused[kind]
-            fused_lora(x, g.a_cat, g.b_full, lo, acc, counters, launch)
+            fused_lora(x, g.a_cat, g.b_full, lo, acc, counters, launch,
+                       pdl=st.pdl and st.side is None)
         else:
             xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
             torch.mm(x, g.a_cat.t(), out=xa)
@@ -65,10 +69,10 @@ def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.
             for o, y in zip(g.offsets, raws, strict=True)]
 
 
-def _raw(ctx: TorchContext, g: Group, x: torch.Tensor) -> list[torch.Tensor]:
+def _raw(ctx: TorchContext, g: Group, x: torch.Tensor, pdl: bool) -> list[torch.Tensor]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
     if gemm is not None:
-        return gemm.raw(x)
+        return gemm.raw(x, pdl=pdl)
     outs = []  # no CUDA group GEMMs (CPU under the Triton interpreter): dequantized copies
     for m in g.members:
         if m.kind == "dense":
@@ -84,28 +88,29 @@ def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor
               rows: int) -> list[K.Epilogue]:
     """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel."""
     lo = _lora(st, kind, g, x)
-    epis = _epilogues(ctx, g, _raw(ctx, g, x), lo, rows)
+    epis = _epilogues(ctx, g, _raw(ctx, g, x, st.pdl), lo, rows)
     _join(st, lo)
     return epis
 
 
 def step(plan: Plan, st: State, ctx: TorchContext) -> None:
     """One decode step for all ``st.n_rows`` rows (see the module docstring)."""
-    rows = st.n_rows
+    rows, pdl = st.n_rows, st.pdl
     h = F.embedding(st.tok, plan.embed)
     prev = None
     for li, lay in enumerate(plan.layers):
-        x = K.add_rmsnorm(h, lay.ln1, lay.eps1, prev)
+        x = K.add_rmsnorm(h, lay.ln1, lay.eps1, prev, pdl=pdl)
         q, k, v = _finished(st, ctx, "qkv", lay.qkv, x, rows)
         qr = K.qkv_rope(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot, st.pad,
-                        plan.rope_scale, plan.n_heads, plan.n_kv, plan.head_dim)
-        ao = K.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling, st.attn_splits)
+                        plan.rope_scale, plan.n_heads, plan.n_kv, plan.head_dim, pdl=pdl)
+        ao = K.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling, st.attn_splits,
+                         pdl=pdl)
         (o,) = _finished(st, ctx, "o", lay.o, ao, rows)
-        x = K.add_rmsnorm(h, lay.ln2, lay.eps2, o)
+        x = K.add_rmsnorm(h, lay.ln2, lay.eps2, o, pdl=pdl)
         g, u = _finished(st, ctx, "gu", lay.gu, x, rows)
-        act = K.silu_mul(g, u.raw)
+        act = K.silu_mul(g, u.raw, pdl=pdl)
         (prev,) = _finished(st, ctx, "down", lay.down, act, rows)
-    x = K.add_rmsnorm(h, plan.norm, plan.norm_eps, prev)
+    x = K.add_rmsnorm(h, plan.norm, plan.norm_eps, prev, pdl=pdl)
     (logits,) = group_forward(ctx, plan.lm_head, x)
     u = st.u.index_select(0, st.step).squeeze(0)
     record(st, *sample_tokens(logits, u, st.temp, st.top_p, st.mode))

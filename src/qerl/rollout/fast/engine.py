@@ -37,6 +37,7 @@ from qerl.rollout.fast import decode
 from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.lora import FUSED_MAX_M, MAX_ROWS, fused_lora_ok
+from qerl.rollout.fast.options import bool_or_none, choice, int_in, resolve_pdl
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
 from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
@@ -81,6 +82,9 @@ class FastEngine:
             too, runs through them) while the trainer's buffers of those layers wait in pinned host
             memory; costs one host round trip of the 4-bit weights and humming's preparation per
             call. For models whose two copies would not fit (32B and larger on one GPU).
+        pdl: launch the decode step's Triton kernels and humming's GEMMs with programmatic
+            dependent launch (:mod:`qerl.rollout.fast.kernels`); ``None``: where supported
+            (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
     """
 
     name = "fast"
@@ -91,13 +95,14 @@ class FastEngine:
                  keep_state: bool = False, single_copy: bool = False,
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
-                 humming_layout: str = "bf16_scales") -> None:
-        _choice("backend", backend, ("auto", "triton", "torch"))
-        _choice("lora_kernel", lora_kernel, ("fused", "cublas"))
-        _choice("humming_layout", humming_layout, LAYOUTS)
-        _int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
+                 humming_layout: str = "bf16_scales", pdl: bool | None = None) -> None:
+        choice("backend", backend, ("auto", "triton", "torch"))
+        choice("lora_kernel", lora_kernel, ("fused", "cublas"))
+        choice("humming_layout", humming_layout, LAYOUTS)
+        int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
         if attention_splits is not None:
-            _int_in("attention_splits", attention_splits, 64)
+            int_in("attention_splits", attention_splits, 64)
+        bool_or_none("pdl", pdl)
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -115,6 +120,7 @@ class FastEngine:
         self.lora_kernel = lora_kernel
         self.fused_lora_max_rows = fused_lora_max_rows
         self.humming_layout = humming_layout
+        self.pdl = pdl
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -206,6 +212,7 @@ class FastEngine:
         t0 = time.perf_counter()
         plan = self._get_plan(model)
         backend = self._backend_for(plan)
+        pdl = resolve_pdl(self.pdl, plan.device) and backend == "triton"
         gemms = self._get_gemms(plan)
         refresh_lora(plan)
         n, n_prompts = sp.n, len(prompt_ids)
@@ -223,9 +230,9 @@ class FastEngine:
         else:
             u = torch.rand((T, N), device=dev)
         W = self.wave_rows(plan, N, cap, n)
-        st = self._get_state(plan, W, cap, T, mode, backend)
+        st = self._get_state(plan, W, cap, T, mode, backend, pdl)
         if gemms:  # compile the humming kernels of this call's row counts in parallel
-            precompile_groups(gemms, (W, -(-W // n) * P))
+            precompile_groups(gemms, (W, -(-W // n) * P), decode_pdl=st.pdl)
         ctx = TorchContext(gemms=gemms)
         rows_prompt = [i // n for i in range(N)]
         parts, stats = [], {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
@@ -252,7 +259,8 @@ class FastEngine:
                            "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None,
                            "lora_kernel": "fused" if st.lora_fused is not None
                            else ("cublas" if st.lora_out else "none"),
-                           "lora_stream": "side" if st.side is not None else "main"}
+                           "lora_stream": "side" if st.side is not None else "main",
+                           "pdl": st.pdl}
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
             completion_ids=cat[0], completion_mask=cat[1], logprobs=cat[2], truncated=~done,
@@ -326,9 +334,10 @@ class FastEngine:
     # -- state --------------------------------------------------------------------------------
 
     def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
-                   backend: str) -> State:
+                   backend: str, pdl: bool) -> State:
         st = self._state
-        key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel)
+        key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
+               pdl)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -342,6 +351,7 @@ class FastEngine:
         overlap = self.lora_overlap  # default: a side stream for the cuBLAS pair only
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None
+        st.pdl = pdl
         self._state = st
         return st
 
@@ -384,16 +394,6 @@ class FastEngine:
             if t % self.check_every == 0 and bool(st.done.all()):
                 break
         return steps
-
-
-def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
-
-
-def _int_in(name: str, value, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
-        raise ValueError(f"{name} must be an int in 1..{hi}, got {value!r}")
 
 
 #: alias (the issue calls it the fast rollout engine)

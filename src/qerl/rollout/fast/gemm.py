@@ -71,12 +71,12 @@ class GroupGemm:
             row += m.out_f
         return w
 
-    def raw(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def raw(self, x: torch.Tensor, pdl: bool = False) -> list[torch.Tensor]:
         """``x [M, K]`` -> the members' raw outputs ``[M, N_i]`` (views of one buffer when the
-        group runs as one GEMM)."""
+        group runs as one GEMM); ``pdl``: humming's GEMM with programmatic dependent launch."""
         g = self.group
         if self.uses_humming(x.shape[0]):
-            y = self.humming(x if x.is_contiguous() else x.contiguous())
+            y = self.humming(x if x.is_contiguous() else x.contiguous(), pdl=pdl)
             return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
         if g.all_fp4:
             y = F.linear(x, self._dequantized(g.members, x.device))
@@ -101,9 +101,13 @@ class GroupGemm:
         return max((m.out_f * m.in_f for m in g.members if m.kind == "fp4"), default=0)
 
 
-def precompile_groups(gemms: dict[int, GroupGemm], rows: tuple[int, ...]) -> None:
-    """Compile the humming kernels the groups will launch at these row counts (in parallel)."""
-    jobs = [(gm.humming, m) for gm in gemms.values() for m in set(rows) if gm.uses_humming(m)]
+def precompile_groups(gemms: dict[int, GroupGemm], rows: tuple[int, ...],
+                      decode_pdl: bool = False) -> None:
+    """Compile the humming kernels the groups will launch (in parallel): prefill's and decode's,
+    at ``rows = (decode rows, prefill rows)``; decode's with PDL when ``decode_pdl``."""
+    jobs = [(gm.humming, m, p) for gm in gemms.values()
+            for m, p in {(rows[0], decode_pdl), *((r, False) for r in rows[1:])}
+            if gm.uses_humming(m)]
     if jobs:
         from qerl.kernels.humming_gemm import precompile
 

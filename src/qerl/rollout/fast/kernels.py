@@ -16,10 +16,19 @@ The sampling kernel is in :mod:`qerl.rollout.fast.sampling`, beside its torch re
 An :class:`Epilogue` names the raw output, the column offset of the member in its group and the
 group's vectors. Everything runs in the model dtype with float32 arithmetic inside a kernel and
 one rounding per value the torch path also rounds.
+
+Programmatic dependent launch (PDL, Hopper and later; ``pdl=True`` on a launcher): the kernel is
+launched with CUDA's programmatic stream serialization, so it may start while the kernel before it
+on the stream is still running; its programs first wait for that kernel to finish
+(``griddepcontrol.wait``, which also makes its writes visible), then let the next kernel launch
+(``griddepcontrol.launch_dependents``). Every kernel that is launched this way waits before it
+touches memory, so the order of the stream holds transitively; what is saved is the launch latency
+and the ramp-up of each kernel boundary (humming's GEMMs do the same with ``use_pdl``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +42,34 @@ except Exception:  # noqa: BLE001 - pragma: no cover - depends on the machine
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "qkv_rope",
-           "silu_mul"]
+__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "launch_kw",
+           "pdl_supported", "qkv_rope", "silu_mul"]
 
 
 def np2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the decode kernels can use programmatic dependent launch on ``device``: a CUDA
+    GPU of compute capability 9.0 or later, compiled Triton (not the interpreter) whose launcher
+    takes ``launch_pdl``, and ``QERL_PDL`` not set to ``0`` / ``off`` / ``false``."""
+    if not HAS_TRITON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("QERL_PDL", "").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # noqa: BLE001 - pragma: no cover - another Triton backend
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return "launch_pdl" in fields and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_kw(pdl: bool) -> dict:
+    """The launch options of a kernel launched with (``pdl``) or without PDL; the kernel gets
+    ``PDL=pdl`` too, so it waits for the kernel before it (see the module docstring)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @dataclass
@@ -64,6 +95,16 @@ BLOCK_M = 16
 if HAS_TRITON:
 
     @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """First thing in a kernel launched with PDL: wait for the kernel before it (its writes
+        visible), then let the next one launch. Nothing when ``PDL`` is false."""
+        if PDL:
+            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _epilogue(raw_ptr, sr, rows, rmask, lcol, gcol, cmask, cs_ptr, b_ptr, lo_ptr, slo,
                   HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                   DT: tl.constexpr):
@@ -81,7 +122,9 @@ if HAS_TRITON:
     @triton.jit
     def _add_rmsnorm_kernel(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, w_ptr, out_ptr, H,
                             eps, HAS_ADD: tl.constexpr, HAS_CS: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, CH: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, CH: tl.constexpr,
+                            PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         dt = h_ptr.dtype.element_ty
         base = row.to(tl.int64) * H
@@ -119,7 +162,9 @@ if HAS_TRITON:
                          qo_ptr, kc_ptr, vc_ptr, skb, skh, skl, invf_ptr, slot_ptr, pad_ptr,
                          rope_scale, M, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          HALF: tl.constexpr, HALFP: tl.constexpr, HAS_CS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr,
+                         PDL: tl.constexpr):
+        pdl_enter(PDL)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         h = tl.program_id(1)
         rmask = rows < M
@@ -165,10 +210,11 @@ if HAS_TRITON:
     def _attn_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr, slot_ptr, pad_ptr,
                             qk_scale, skb, skh, skl, so, HQ: tl.constexpr, G: tl.constexpr,
                             GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            BL: tl.constexpr, S: tl.constexpr):
+                            BL: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr):
         """Row ``b``, KV head ``kh``, split ``s`` of ``S``: online softmax over the split's share
         of the row's filled slots. ``S == 1``: the normalised output; else the split's running
         max, sum and unnormalised output go to the partial buffers for ``_attn_combine_kernel``."""
+        pdl_enter(PDL)
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -218,9 +264,10 @@ if HAS_TRITON:
     @triton.jit
     def _attn_combine_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, so, HQ: tl.constexpr,
                              D: tl.constexpr, DP: tl.constexpr, S: tl.constexpr,
-                             SP: tl.constexpr):
+                             SP: tl.constexpr, PDL: tl.constexpr):
         """Row ``b``, query head ``h``: the splits' partial softmaxes merged (empty splits have
         max ``-inf`` and weigh nothing)."""
+        pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, SP)
@@ -240,7 +287,8 @@ if HAS_TRITON:
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, sg, su, cs_ptr, b_ptr, lo_ptr, slo, act_ptr, M, NI,
                          HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         rmask = rows < M
@@ -272,20 +320,21 @@ def _flags(e: Epilogue | None) -> dict:
 
 
 def add_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float,
-                add: Epilogue | None = None) -> torch.Tensor:
+                add: Epilogue | None = None, pdl: bool = False) -> torch.Tensor:
     """``h += epilogue(add)`` (in place, when given), then return ``rmsnorm(h) * w``."""
     m, hid = h.shape
     out = torch.empty_like(h)
     d = add.raw if add is not None else h
     _add_rmsnorm_kernel[(m,)](
         h, d, d.stride(0), add.offset if add is not None else 0, *_epi_args(add, h), w, out, hid,
-        eps, HAS_ADD=add is not None, CH=1024, num_warps=8 if hid >= 2048 else 4, **_flags(add))
+        eps, HAS_ADD=add is not None, CH=1024, num_warps=8 if hid >= 2048 else 4, **_flags(add),
+        **launch_kw(pdl))
     return out
 
 
 def qkv_rope(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
              inv_freq: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor, rope_scale: float,
-             n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+             n_heads: int, n_kv: int, head_dim: int, pdl: bool = False) -> torch.Tensor:
     """Finish q/k/v (epilogue ``q`` describes the group; ``k``/``v`` are the other members'
     raw outputs), rotate q and k, write k/v at cache slot ``slot``; returns q ``[M, Hq, D]``."""
     m = k.shape[0]
@@ -297,7 +346,7 @@ def qkv_rope(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc
         raw, k, v, raw.stride(0), k.stride(0), v.stride(0), *_epi_args(q, k), qo, kc, vc,
         kc.stride(0), kc.stride(1), kc.stride(2), inv_freq, slot, pad, rope_scale, m,
         HQ=n_heads, HKV=n_kv, D=head_dim, HALF=half, HALFP=max(16, np2(half)), BM=bm,
-        num_warps=4, **_flags(q))
+        num_warps=4, **_flags(q), **launch_kw(pdl))
     return qo
 
 
@@ -311,7 +360,8 @@ def attention_splits(rows: int, n_kv: int, cap: int, sms: int) -> int:
 
 
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-              pad: torch.Tensor, scaling: float, splits: int = 1) -> torch.Tensor:
+              pad: torch.Tensor, scaling: float, splits: int = 1,
+              pdl: bool = False) -> torch.Tensor:
     """Decode attention of ``q [M, Hq, D]`` over cache slots ``pad[b] .. slot``: ``[M, Hq*D]``.
     ``splits > 1``: flash-decoding over the slots -- each (row, KV head) split into ``splits``
     programs whose partial softmaxes a second kernel merges (small batches, long contexts)."""
@@ -328,15 +378,15 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.T
     _attn_decode_kernel[(m, hkv, splits)](
         q, kc, vc, pacc, pm, pl, slot, pad, scaling * 1.4426950408889634, kc.stride(0),
         kc.stride(1), kc.stride(2), out.stride(0), HQ=hq, G=g, GP=max(16, np2(g)), D=d,
-        DP=max(16, np2(d)), BL=64, S=splits, num_warps=4)
+        DP=max(16, np2(d)), BL=64, S=splits, num_warps=4, **launch_kw(pdl))
     if splits > 1:
         _attn_combine_kernel[(m, hq)](pacc, pm, pl, out, out.stride(0), HQ=hq, D=d,
                                       DP=max(16, np2(d)), S=splits, SP=max(2, np2(splits)),
-                                      num_warps=4)
+                                      num_warps=4, **launch_kw(pdl))
     return out
 
 
-def silu_mul(g: Epilogue, u: torch.Tensor) -> torch.Tensor:
+def silu_mul(g: Epilogue, u: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` after the gate/up epilogue (``g`` describes the group, ``u`` is up's
     raw output)."""
     m, inter = u.shape
@@ -344,5 +394,5 @@ def silu_mul(g: Epilogue, u: torch.Tensor) -> torch.Tensor:
     bm, bn = BLOCK_M, 128
     _silu_mul_kernel[(triton.cdiv(m, bm), triton.cdiv(inter, bn))](
         g.raw, u, g.raw.stride(0), u.stride(0), *_epi_args(g, u), act, m, inter, BM=bm, BN=bn,
-        num_warps=4, **_flags(g))
+        num_warps=4, **_flags(g), **launch_kw(pdl))
     return act

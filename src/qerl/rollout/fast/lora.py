@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from qerl.rollout.fast.kernels import HAS_TRITON, np2, tl, triton
+from qerl.rollout.fast.kernels import HAS_TRITON, launch_kw, np2, tl, triton
 
 __all__ = ["FUSED_MAX_M", "MAX_ROWS", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
 
@@ -110,11 +110,14 @@ class LoraLaunch:
 
 
 def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
-               acc: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch) -> torch.Tensor:
+               acc: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch,
+               pdl: bool = False) -> torch.Tensor:
     """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``acc``: float32, at least
     ``launch.acc_numel(M)``, and ``counters``: int64 ``[2]``, both zeros before their first launch
     and then only ever passed to launches of the same ``launch`` and ``M``, one at a time (one
-    stream): each launch leaves them as the next one needs them."""
+    stream): each launch leaves them as the next one needs them. ``pdl``: launched with
+    programmatic dependent launch (:mod:`qerl.rollout.fast.kernels`; every program waits for
+    the kernel before it before it takes its ticket)."""
     m, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"fused_lora takes at most {MAX_ROWS} rows, got {m}")
@@ -136,7 +139,8 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
     _lora_kernel[grid](x, x.stride(0), a_cat, b_full, acc, out, out.stride(0), counters, launch.r0,
                        m, k, r, n, launch.split,
                        BM=max(16, np2(m)), BK=launch.k_per, BR=max(16, np2(r)), RS=launch.window,
-                       BN=BLOCK_N, ZB=max(16, np2(-(-m * r // launch.split))), DT=dt, num_warps=4)
+                       BN=BLOCK_N, ZB=max(16, np2(-(-m * r // launch.split))), DT=dt, num_warps=4,
+                       **launch_kw(pdl))
     return out
 
 
@@ -179,11 +183,14 @@ def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 if HAS_TRITON:
+    from qerl.rollout.fast.kernels import pdl_enter
 
     @triton.jit
     def _lora_kernel(x_ptr, sx, a_ptr, b_ptr, acc_ptr, lo_ptr, slo, cnt_ptr, r0_ptr, M, K, R, N,
                      SPLIT, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                     RS: tl.constexpr, BN: tl.constexpr, ZB: tl.constexpr, DT: tl.constexpr):
+                     RS: tl.constexpr, BN: tl.constexpr, ZB: tl.constexpr, DT: tl.constexpr,
+                     PDL: tl.constexpr):
+        pdl_enter(PDL)  # before the ticket: the previous launch on these counters is done
         rows = tl.arange(0, BM)
         rmask = rows < M
         t = tl.atomic_add(cnt_ptr, 1)  # the ticket (int64: it only ever grows)

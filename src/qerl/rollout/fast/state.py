@@ -45,6 +45,7 @@ class State:
     # None: the LoRA runs as cuBLAS GEMMs
     lora_fused: dict | None = None
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
+    pdl: bool = False  # decode kernels with programmatic dependent launch (kernels.pdl_supported)
     side: torch.cuda.Stream | None = None
     graph: object = None
 

@@ -1,0 +1,38 @@
+"""Checks of the fast engine's options: each bad value is a ``ValueError`` that names the option
+and what it accepts, raised before any work."""
+
+from __future__ import annotations
+
+import torch
+
+from qerl.rollout.fast.kernels import pdl_supported
+
+__all__ = ["bool_or_none", "choice", "int_in", "resolve_pdl"]
+
+
+def choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
+
+
+def int_in(name: str, value, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        raise ValueError(f"{name} must be an int in 1..{hi}, got {value!r}")
+
+
+def bool_or_none(name: str, value, none_means: str = "automatic") -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True, False or None ({none_means}), got {value!r}")
+
+
+def resolve_pdl(requested: bool | None, device: torch.device) -> bool:
+    """``pdl`` of the engine for ``device``: ``None`` uses programmatic dependent launch where
+    :func:`qerl.rollout.fast.kernels.pdl_supported`; ``True`` where it is not raises."""
+    bool_or_none("pdl", requested)
+    if requested is None:
+        return pdl_supported(device)
+    if requested and not pdl_supported(device):
+        raise ValueError(f"pdl=True needs a CUDA GPU of compute capability 9.0 or later and "
+                         f"compiled Triton with launch_pdl (QERL_PDL not 0); the model is on "
+                         f"{device}: use pdl=None (automatic) or pdl=False")
+    return requested
