@@ -52,9 +52,10 @@ def _group(m: int, n: int, r: int, dt, cs: bool, bias: bool, lora: bool, k: int 
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("cs,bias,lora", [(False, False, False), (True, True, True),
-                                          (False, True, True)])
-def test_add_rmsnorm_with_epilogue(dt, cs, bias, lora) -> None:
+@pytest.mark.parametrize("cs,bias,lora,one_pass_max", [
+    (False, False, False, 8192), (True, True, True, 8192), (False, True, True, 8192),
+    (True, True, True, 256)])  # a row wider than one pass: two passes of 1,024 features
+def test_add_rmsnorm_with_epilogue(dt, cs, bias, lora, one_pass_max) -> None:
     m, hid = 6, 320
     epi, d_ref, _ = _group(m, hid, 12, dt, cs, bias, lora)
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -63,9 +64,9 @@ def test_add_rmsnorm_with_epilogue(dt, cs, bias, lora) -> None:
     h_ref = (h.float() + d_ref.to(dt).float()).to(dt)
     hf = h_ref.float()
     x_ref = w.float() * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt).float()
-    x = K.add_rmsnorm(h, w, 1e-6, epi)
+    x = K.add_rmsnorm(h, w, 1e-6, epi, one_pass_max=one_pass_max)
     assert _rel(h, h_ref) < TOL[dt] and _rel(x, x_ref) < TOL[dt]
-    x0 = K.add_rmsnorm(h.clone(), w, 1e-6, None)  # no add: plain RMSNorm of h
+    x0 = K.add_rmsnorm(h.clone(), w, 1e-6, None, one_pass_max=one_pass_max)  # plain RMSNorm
     hf = h.float()
     assert _rel(x0, w.float() * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6))) \
         < TOL[dt]
@@ -385,7 +386,8 @@ cases = {
     K._add_rmsnorm_kernel: ({"h_ptr": "*bf16", "d_ptr": "*bf16", "sd": "i32", "off": "i32",
                              "cs_ptr": "*fp32", "b_ptr": "*bf16", "lo_ptr": "*bf16", "slo": "i32",
                              "w_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "eps": "fp32"},
-                            dict(HAS_ADD=True, HAS_CS=True, HAS_BIAS=False, HAS_LORA=True, CH=1024)),
+                            dict(HAS_ADD=True, HAS_CS=True, HAS_BIAS=False, HAS_LORA=True,
+                                 CH=4096, ONE=True)),
     K._silu_mul_kernel: ({"g_ptr": "*bf16", "u_ptr": "*bf16", "sg": "i32", "su": "i32",
                           "cs_ptr": "*fp32", "b_ptr": "*bf16", "lo_ptr": "*bf16", "slo": "i32",
                           "act_ptr": "*bf16", "M": "i32", "NI": "i32"},

@@ -120,42 +120,62 @@ if HAS_TRITON:
         return y.to(DT).to(tl.float32)
 
     @triton.jit
+    def _added(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, row, base, offs, cm, dt,
+               HAS_ADD: tl.constexpr, HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr,
+               HAS_LORA: tl.constexpr):
+        """Features ``offs`` of row ``row`` of ``h``, with the epilogue added (and stored back)."""
+        h = tl.load(h_ptr + base + offs, mask=cm, other=0.0)
+        if HAS_ADD:
+            d = tl.load(d_ptr + row.to(tl.int64) * sd + offs, mask=cm, other=0.0)
+            d = d.to(tl.float32)
+            if HAS_CS:
+                d = d * tl.load(cs_ptr + off + offs, mask=cm, other=0.0)
+            if HAS_BIAS:
+                d = d + tl.load(b_ptr + off + offs, mask=cm, other=0.0).to(tl.float32)
+            if HAS_LORA:
+                d = d + tl.load(lo_ptr + row.to(tl.int64) * slo + off + offs, mask=cm,
+                                other=0.0).to(tl.float32)
+            h = (h.to(tl.float32) + d.to(dt).to(tl.float32)).to(dt)
+            tl.store(h_ptr + base + offs, h, mask=cm)
+        return h
+
+    @triton.jit
     def _add_rmsnorm_kernel(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, w_ptr, out_ptr, H,
                             eps, HAS_ADD: tl.constexpr, HAS_CS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, CH: tl.constexpr,
-                            PDL: tl.constexpr):
+                            ONE: tl.constexpr, PDL: tl.constexpr):
+        """``ONE`` (``CH >= H``): the row in registers, one pass; else two passes of ``CH``
+        features (the second reads back ``h``)."""
         pdl_enter(PDL)
         row = tl.program_id(0)
         dt = h_ptr.dtype.element_ty
         base = row.to(tl.int64) * H
-        acc = tl.zeros((CH,), dtype=tl.float32)
-        for c in range(0, H, CH):
-            offs = c + tl.arange(0, CH)
+        if ONE:
+            offs = tl.arange(0, CH)
             cm = offs < H
-            h = tl.load(h_ptr + base + offs, mask=cm, other=0.0)
-            if HAS_ADD:
-                d = tl.load(d_ptr + row.to(tl.int64) * sd + offs, mask=cm, other=0.0)
-                d = d.to(tl.float32)
-                if HAS_CS:
-                    d = d * tl.load(cs_ptr + off + offs, mask=cm, other=0.0)
-                if HAS_BIAS:
-                    d = d + tl.load(b_ptr + off + offs, mask=cm, other=0.0).to(tl.float32)
-                if HAS_LORA:
-                    d = d + tl.load(lo_ptr + row.to(tl.int64) * slo + off + offs, mask=cm,
-                                    other=0.0).to(tl.float32)
-                h = (h.to(tl.float32) + d.to(dt).to(tl.float32)).to(dt)
-                tl.store(h_ptr + base + offs, h, mask=cm)
-            hf = h.to(tl.float32)
-            acc += hf * hf
-        tl.debug_barrier()
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / H + eps)
-        for c in range(0, H, CH):
-            offs = c + tl.arange(0, CH)
-            cm = offs < H
-            hf = tl.load(h_ptr + base + offs, mask=cm, other=0.0).to(tl.float32)
+            hf = _added(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, row, base, offs, cm,
+                        dt, HAS_ADD, HAS_CS, HAS_BIAS, HAS_LORA).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
             w = tl.load(w_ptr + offs, mask=cm, other=0.0).to(tl.float32)
             y = (hf * rstd).to(dt).to(tl.float32) * w
             tl.store(out_ptr + base + offs, y.to(out_ptr.dtype.element_ty), mask=cm)
+        else:
+            acc = tl.zeros((CH,), dtype=tl.float32)
+            for c in range(0, H, CH):
+                offs = c + tl.arange(0, CH)
+                cm = offs < H
+                hf = _added(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, row, base, offs,
+                            cm, dt, HAS_ADD, HAS_CS, HAS_BIAS, HAS_LORA).to(tl.float32)
+                acc += hf * hf
+            tl.debug_barrier()
+            rstd = tl.rsqrt(tl.sum(acc, axis=0) / H + eps)
+            for c in range(0, H, CH):
+                offs = c + tl.arange(0, CH)
+                cm = offs < H
+                hf = tl.load(h_ptr + base + offs, mask=cm, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + offs, mask=cm, other=0.0).to(tl.float32)
+                y = (hf * rstd).to(dt).to(tl.float32) * w
+                tl.store(out_ptr + base + offs, y.to(out_ptr.dtype.element_ty), mask=cm)
 
     @triton.jit
     def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, sq, sk, sv, cs_ptr, b_ptr, lo_ptr, slo,
@@ -319,16 +339,23 @@ def _flags(e: Epilogue | None) -> dict:
             "HAS_LORA": e is not None and e.lora is not None}
 
 
-def add_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float,
-                add: Epilogue | None = None, pdl: bool = False) -> torch.Tensor:
+# Widest row add_rmsnorm holds in registers in one pass (8,192 features: 32 a thread at 8 warps);
+# wider rows, two passes of 1,024 (the kernel's loads are latency-bound at decode: one program a
+# row, so every pass over the row is a round trip)
+ONE_PASS_MAX = 8192
+
+
+def add_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float, add: Epilogue | None = None,
+                pdl: bool = False, one_pass_max: int = ONE_PASS_MAX) -> torch.Tensor:
     """``h += epilogue(add)`` (in place, when given), then return ``rmsnorm(h) * w``."""
     m, hid = h.shape
     out = torch.empty_like(h)
     d = add.raw if add is not None else h
+    one = hid <= one_pass_max
     _add_rmsnorm_kernel[(m,)](
         h, d, d.stride(0), add.offset if add is not None else 0, *_epi_args(add, h), w, out, hid,
-        eps, HAS_ADD=add is not None, CH=1024, num_warps=8 if hid >= 2048 else 4, **_flags(add),
-        **launch_kw(pdl))
+        eps, HAS_ADD=add is not None, CH=np2(hid) if one else 1024, ONE=one,
+        num_warps=8 if hid >= 2048 else 4, **_flags(add), **launch_kw(pdl))
     return out
 
 
