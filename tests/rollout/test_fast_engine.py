@@ -449,27 +449,31 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows, max_r
 
 
 @gpu
-@pytest.mark.parametrize("n_rows", [1, 8])
-def test_gpu_pdl_gives_the_same_rollout(n_rows) -> None:
+@pytest.mark.parametrize("n_rows,lora_kernel", [(1, "fused"), (8, "fused"), (8, "cublas")])
+def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel) -> None:
     """Programmatic dependent launch changes when kernels start, not what they compute: at 7B
-    widths (two layers, NVFP4 + LoRA: humming, the fused LoRA's ticket protocol, every Triton
-    kernel) the greedy rollout with it equals the one without, token for token."""
+    widths (two layers, NVFP4 + LoRA: humming, the fused LoRA's ticket protocol or the cuBLAS
+    pair on its side stream, every Triton kernel) the rollout with it agrees with a full forward
+    pass as closely as the one without. (Not token for token: the rollout is not bitwise
+    reproducible from run to run even without PDL -- the prefill's first log-prob already
+    varies, run 35 of docs/benchmarks.md -- so greedy tokens of a random model diverge.)"""
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch on this GPU / Triton")
     model = _model("qwen2", fmt="nvfp4", lora=True, device="cuda", dtype=torch.bfloat16,
                    hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
     prompts = PROMPTS if n_rows == 8 else PROMPTS[:1]
-    sp = SamplingParams(n=n_rows // len(prompts), greedy=True, max_new_tokens=24,
-                        eos_token_ids=(), pad_token_id=0)
-    outs = {}
+    sp = SamplingParams(n=n_rows // len(prompts), temperature=1.0, top_p=0.95,
+                        max_new_tokens=24, eos_token_ids=(), pad_token_id=0)
+    errs = {}
     for pdl in (False, True):
-        eng = FastEngine(pdl=pdl)
-        outs[pdl] = eng.generate(model, prompts, sp)
+        eng = FastEngine(pdl=pdl, lora_kernel=lora_kernel)
+        out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
         assert eng.last_stats["pdl"] is pdl and eng.last_stats["cuda_graph"]
-        assert eng.last_stats["lora_kernel"] == "fused"
-    assert torch.equal(outs[True].completion_ids, outs[False].completion_ids)
-    torch.testing.assert_close(outs[True].logprobs, outs[False].logprobs, rtol=0, atol=1e-6)
+        assert eng.last_stats["lora_kernel"] == lora_kernel
+        errs[pdl] = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
+    assert errs[True].mean() < 0.05 and errs[True].max() < 0.5, errs[True]
+    assert errs[True].mean() < 2 * errs[False].mean() + 0.01, (errs[True].mean(), errs[False].mean())
 
 
 @gpu
