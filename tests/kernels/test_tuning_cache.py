@@ -85,7 +85,15 @@ def test_tuning_sets_use_pdl_per_call_and_keeps_the_tuned_entry() -> None:
     g._tuning = {}
     on, off = json.loads(g.tuning_for(8, pdl=True)), json.loads(g.tuning_for(8))
     assert on == {"t": 64, "use_pdl": True} and off == {"t": 64, "use_pdl": False}
-    assert g._tuned[64] == {"t": 64, "use_pdl": False} and set(g._tuning) == {(8, True), (8, False)}
+    assert g._tuned[64] == {"t": 64, "use_pdl": False}
+    assert set(g._tuning) == {(8, True, None), (8, False, None)}
+    assert "num_sms" not in on  # no ``sms``: humming's grid as tuned (all multiprocessors)
+    # a smaller persistent grid: at most ``sms`` multiprocessors, never more than tuned
+    g._tuned = {64: {"t": 64}, 128: {"t": 128, "num_sms": 100}}
+    assert json.loads(g.tuning_for(60, sms=124))["num_sms"] == 124
+    assert json.loads(g.tuning_for(100, sms=124))["num_sms"] == 100
+    assert json.loads(g.tuning_for(100, sms=96))["num_sms"] == 96
+    assert json.loads(g.tuning_for(100))["num_sms"] == 100
 
 
 def test_compile_within_keeps_the_successes_done_by_the_deadline() -> None:

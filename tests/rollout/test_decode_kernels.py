@@ -325,13 +325,17 @@ def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
         L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
                      torch.zeros(lau.acc_numel(2), device=DEV),
                      torch.zeros(3, dtype=torch.int32, device=DEV), lau)
+    with pytest.raises(ValueError, match="beside=True needs pdl=True"):  # nothing to wait with
+        L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
+                     torch.zeros(lau.acc_numel(2), device=DEV),
+                     torch.zeros(2, dtype=torch.int64, device=DEV), lau, beside=True)
 
 
 def test_fused_lora_kernel_compiles_for_hopper() -> None:
     """PTX for sm_90 with the real compiler (no GPU needed): the spin-wait is an acquire load, the
     done-count a release reduction, the shrink float atomic additions; with PDL, every program
     waits for the kernel before it (``griddepcontrol.wait``) before its ticket, the first atomic,
-    and only then lets the next kernel launch."""
+    and only then lets the next kernel launch; beside the GEMM, it waits after its last store."""
     import subprocess
     import sys
 
@@ -346,8 +350,9 @@ P = {"x_ptr": "*bf16", "sx": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr
      "lo_ptr": "*bf16", "slo": "i32", "cnt_ptr": "*i64", "r0_ptr": "*i32", "M": "i32", "K": "i32",
      "R": "i32", "N": "i32", "SPLIT": "i32"}
 fn = L._lora_kernel
-for (bm, br, bk), pdl in (((16, 128, 128), False), ((64, 32, 256), False), ((16, 128, 128), True)):
-    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, ZB=64, DT=tl.bfloat16, PDL=pdl)
+for (bm, br, bk), pdl, beside in (((16, 128, 128), False, False), ((64, 32, 256), False, False),
+                                   ((16, 128, 128), True, False), ((16, 128, 128), True, True)):
+    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, ZB=64, DT=tl.bfloat16, PDL=pdl, BESIDE=beside)
     sig = {a: ("constexpr" if a in const else P[a]) for a in fn.arg_names}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
@@ -356,8 +361,12 @@ for (bm, br, bk), pdl in (((16, 128, 128), False), ((64, 32, 256), False), ((16,
     assert re.search("(red|atom)[.][^ ]*release", ptx), "no release reduction or atomic"
     assert re.search("(red|atom)[.]global[.][^ ]*add[.]f32", ptx), "no float atomic additions"
     first_atom = re.search("(atom|red)[.]", ptx).start()
-    if pdl:
-        wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    if beside:  # launched beside the GEMM: no wait before the work, one after the last store
+        last_store = max(m.start() for m in re.finditer("st[.]global", ptx))
+        assert 0 <= launch < first_atom < last_store < wait, (launch, first_atom, last_store, wait)
+        assert "ld.global.cg" in ptx  # x read at L2
+    elif pdl:
         assert 0 <= wait < launch < first_atom, (wait, launch, first_atom)
     else:
         assert "griddepcontrol" not in ptx

@@ -18,7 +18,7 @@ import torch
 
 from qerl.rollout.base import RolloutEngine, SamplingParams
 from qerl.rollout.fast import FastEngine
-from qerl.rollout.fast.kernels import pdl_supported
+from qerl.rollout.fast.pdl import pdl_supported
 from qerl.rollout.hf import HFGenerateEngine
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [3]]
@@ -279,8 +279,9 @@ def test_batched_group_lora_equals_peft_modules() -> None:
 
 
 def _budget_for_rows(model, rows: float, sp: SamplingParams) -> float:
-    from qerl.rollout.fast.engine import SAMPLING_BYTES_PER_LOGIT, GiB
+    from qerl.rollout.fast.engine import GiB
     from qerl.rollout.fast.plan import build_plan
+    from qerl.rollout.fast.state import SAMPLING_BYTES_PER_LOGIT
 
     plan = build_plan(model)
     cap = 128  # default cache_multiple; prompts + new tokens fit in it
@@ -326,6 +327,9 @@ def test_bad_engine_options() -> None:
         FastEngine(humming_layout="e4m3")
     with pytest.raises(ValueError, match="pdl must be True, False or None"):
         FastEngine(pdl="on")
+    for bad in (-1, 65, True, 8.0):
+        with pytest.raises(ValueError, match="lora_sms must be an int in 0..64"):
+            FastEngine(lora_sms=bad)
     # asked for where it cannot work: refused before the prefill, naming the option and the fix
     eng = FastEngine(backend="torch", pdl=True)
     with pytest.raises(ValueError, match=r"pdl=True needs a CUDA GPU .* use pdl=None"):
@@ -449,12 +453,15 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows, max_r
 
 
 @gpu
-@pytest.mark.parametrize("n_rows,lora_kernel", [(1, "fused"), (8, "fused"), (8, "cublas")])
-def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel) -> None:
+@pytest.mark.parametrize("n_rows,lora_kernel,lora_sms", [(1, "fused", 0), (8, "fused", 0),
+                                                         (8, "cublas", 0), (1, "fused", 16),
+                                                         (8, "fused", 16)])
+def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel, lora_sms) -> None:
     """Programmatic dependent launch changes when kernels start, not what they compute: at 7B
     widths (two layers, NVFP4 + LoRA: humming, the fused LoRA's ticket protocol or the cuBLAS
     pair on its side stream, every Triton kernel) the rollout with it agrees with a full forward
-    pass as closely as the one without. (Not token for token: the rollout is not bitwise
+    pass as closely as the one without; so does the fused LoRA run beside the GEMM
+    (``lora_sms``: launched after it, waiting at its end). (Not token for token: the rollout is not bitwise
     reproducible from run to run even without PDL -- the prefill's first log-prob already
     varies, run 35 of docs/benchmarks.md -- so greedy tokens of a random model diverge.)"""
     if not pdl_supported(torch.device("cuda")):
@@ -466,11 +473,14 @@ def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel) -> None:
     sp = SamplingParams(n=n_rows // len(prompts), temperature=1.0, top_p=0.95,
                         max_new_tokens=24, eos_token_ids=(), pad_token_id=0)
     errs = {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for pdl in (False, True):
-        eng = FastEngine(pdl=pdl, lora_kernel=lora_kernel)
+        eng = FastEngine(pdl=pdl, lora_kernel=lora_kernel, lora_sms=lora_sms)
         out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
         assert eng.last_stats["pdl"] is pdl and eng.last_stats["cuda_graph"]
         assert eng.last_stats["lora_kernel"] == lora_kernel
+        beside = pdl and lora_sms > 0 and lora_kernel == "fused"
+        assert eng.last_stats["gemm_sms"] == (sms - lora_sms if beside else None)
         errs[pdl] = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
     assert errs[True].mean() < 0.05 and errs[True].max() < 0.5, errs[True]
     assert errs[True].mean() < 2 * errs[False].mean() + 0.01, (errs[True].mean(), errs[False].mean())
@@ -509,7 +519,7 @@ class _FakeHumming:
         self.col_scale = torch.cat([torch.full((m[0].shape[0],), 1.0) / m[2].float()
                                     for m in members]) if distinct else None
 
-    def __call__(self, x, pdl=False):
+    def __call__(self, x, pdl=False, sms=None):
         return (x.float() @ self.w.t()).to(x.dtype)
 
 

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from qerl.rollout.fast import kernels as K
+from qerl.rollout.fast import pdl as K
 from qerl.rollout.fast.options import resolve_pdl
 
 CUDA = torch.device("cuda", 0)

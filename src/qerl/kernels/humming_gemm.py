@@ -141,13 +141,15 @@ class HummingFp4:
         """humming's ``LayerConfig`` of this GEMM."""
         return self.layer.humming_config
 
-    def tuning_for(self, m: int, pdl: bool = False) -> str:
+    def tuning_for(self, m: int, pdl: bool = False, sms: int | None = None) -> str:
         """The tuning config (a JSON string humming caches kernels by) for ``m`` rows: the tuned
         one whose interval ``(previous tuned M, tuned M]`` holds ``m``, else humming's heuristic
         choice for ``m``; with ``use_pdl`` set to ``pdl`` (programmatic dependent launch: the
-        kernel may start while the one before it runs, and waits for it before its first load).
-        One config per ``(m, pdl)``, so only kernels that run get compiled."""
-        hit = self._tuning.get((m, pdl))
+        kernel may start while the one before it runs, and waits for it before its first load);
+        ``sms``: at most that many multiprocessors (humming's ``num_sms``, a launch parameter:
+        the same compiled kernel on a smaller persistent grid). One config per ``(m, pdl,
+        sms)``, so only kernels that run get compiled."""
+        hit = self._tuning.get((m, pdl, sms))
         if hit is None:
             tuned = [t for t in sorted(self._tuned) if t >= m]
             if tuned:
@@ -156,16 +158,21 @@ class HummingFp4:
                 from humming.tune import get_heuristics_config
 
                 cfg = get_heuristics_config(self.layer_config(), shape_m=m, device=self.device)
-            hit = self._tuning[m, pdl] = config_string({**cfg, "use_pdl": bool(pdl)})
+            cfg = {**cfg, "use_pdl": bool(pdl)}
+            if sms:
+                cfg["num_sms"] = min(int(cfg.get("num_sms") or sms), int(sms))
+            hit = self._tuning[m, pdl, sms] = config_string(cfg)
         return hit
 
     # -- running ------------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                 tuning: str | None = None, pdl: bool = False) -> torch.Tensor:
+                 tuning: str | None = None, pdl: bool = False,
+                 sms: int | None = None) -> torch.Tensor:
         """``x [M, K]`` (contiguous, ``self.dtype``) -> ``[M, N]``; ``col_scale`` not applied;
-        ``pdl``: launched with programmatic dependent launch (see :meth:`tuning_for`)."""
-        return self.layer(x, outputs=out, tuning_config=tuning or self.tuning_for(x.shape[0], pdl))
+        ``pdl`` / ``sms``: see :meth:`tuning_for`."""
+        return self.layer(x, outputs=out,
+                          tuning_config=tuning or self.tuning_for(x.shape[0], pdl, sms))
 
     def nbytes(self) -> int:
         """Bytes of humming's prepared tensors (what this GEMM keeps resident)."""

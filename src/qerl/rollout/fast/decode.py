@@ -11,7 +11,9 @@ two cuBLAS GEMMs (on a side stream while the main stream runs the group's base G
 consumer kernel adds ``lo`` in its epilogue (one load per element), after the streams join.
 
 ``st.pdl``: the Triton kernels and humming's GEMMs are launched with programmatic dependent
-launch (:mod:`qerl.rollout.fast.kernels`); the embedding, the LM head and sampling are not.
+launch (:mod:`qerl.rollout.fast.pdl`); the embedding, the LM head and sampling are not. With
+it, ``st.gemm_sms`` (``FastEngine(lora_sms=...)``) runs each group's fused LoRA at the same time
+as its base GEMM, which leaves it that many multiprocessors.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | Non
         if st.lora_fused is not None:
             launch, acc, counters = st.lora_fused[kind]
             fused_lora(x, g.a_cat, g.b_full, lo, acc, counters, launch,
-                       pdl=st.pdl and st.side is None)
+                       pdl=st.pdl and st.side is None, beside=st.gemm_sms is not None)
         else:
             xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
             torch.mm(x, g.a_cat.t(), out=xa)
@@ -69,10 +71,11 @@ def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.
             for o, y in zip(g.offsets, raws, strict=True)]
 
 
-def _raw(ctx: TorchContext, g: Group, x: torch.Tensor, pdl: bool) -> list[torch.Tensor]:
+def _raw(ctx: TorchContext, g: Group, x: torch.Tensor, pdl: bool = False,
+         sms: int | None = None) -> list[torch.Tensor]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
     if gemm is not None:
-        return gemm.raw(x, pdl=pdl)
+        return gemm.raw(x, pdl=pdl, sms=sms)
     outs = []  # no CUDA group GEMMs (CPU under the Triton interpreter): dequantized copies
     for m in g.members:
         if m.kind == "dense":
@@ -86,9 +89,16 @@ def _raw(ctx: TorchContext, g: Group, x: torch.Tensor, pdl: bool) -> list[torch.
 
 def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor,
               rows: int) -> list[K.Epilogue]:
-    """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel."""
-    lo = _lora(st, kind, g, x)
-    epis = _epilogues(ctx, g, _raw(ctx, g, x, st.pdl), lo, rows)
+    """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel;
+    ``st.gemm_sms`` set: the GEMM on that many multiprocessors, then the fused LoRA launched
+    beside it (on the others; :func:`qerl.rollout.fast.lora.fused_lora`)."""
+    if st.gemm_sms is not None and g.r_total:
+        raws = _raw(ctx, g, x, st.pdl, st.gemm_sms)
+        lo = _lora(st, kind, g, x)
+    else:
+        lo = _lora(st, kind, g, x)
+        raws = _raw(ctx, g, x, st.pdl)
+    epis = _epilogues(ctx, g, raws, lo, rows)
     _join(st, lo)
     return epis
 

@@ -33,11 +33,11 @@ from torch import nn
 from qerl.kernels.backend import resolve_backend
 from qerl.kernels.humming_gemm import LAYOUTS
 from qerl.rollout.base import RolloutBatch, SamplingParams
-from qerl.rollout.fast import decode
+from qerl.rollout.fast import decode, state
 from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.lora import FUSED_MAX_M, MAX_ROWS, fused_lora_ok
-from qerl.rollout.fast.options import bool_or_none, choice, int_in, resolve_pdl
+from qerl.rollout.fast.options import beside_gemm_sms, bool_or_none, choice, int_in, resolve_pdl
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
 from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
@@ -47,7 +47,6 @@ from qerl.rollout.fast.torch_forward import TorchContext, forward_tokens
 __all__ = ["FastEngine", "FastRolloutEngine"]
 
 GiB = 1 << 30
-SAMPLING_BYTES_PER_LOGIT = 32  # float32 logits, softmax, sorted copy, int64 order, cumsum
 
 
 class FastEngine:
@@ -83,8 +82,10 @@ class FastEngine:
             memory; costs one host round trip of the 4-bit weights and humming's preparation per
             call. For models whose two copies would not fit (32B and larger on one GPU).
         pdl: launch the decode step's Triton kernels and humming's GEMMs with programmatic
-            dependent launch (:mod:`qerl.rollout.fast.kernels`); ``None``: where supported
+            dependent launch (:mod:`qerl.rollout.fast.pdl`); ``None``: where supported
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
+        lora_sms: with PDL and the fused LoRA on the main stream, humming's decode GEMMs leave
+            this many multiprocessors to the group's LoRA, which runs beside the GEMM (0: before).
     """
 
     name = "fast"
@@ -95,7 +96,8 @@ class FastEngine:
                  keep_state: bool = False, single_copy: bool = False,
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
-                 humming_layout: str = "bf16_scales", pdl: bool | None = None) -> None:
+                 humming_layout: str = "bf16_scales", pdl: bool | None = None,
+                 lora_sms: int = 0) -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -103,6 +105,7 @@ class FastEngine:
         if attention_splits is not None:
             int_in("attention_splits", attention_splits, 64)
         bool_or_none("pdl", pdl)
+        int_in("lora_sms", lora_sms, 64, lo=0)
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -120,7 +123,7 @@ class FastEngine:
         self.lora_kernel = lora_kernel
         self.fused_lora_max_rows = fused_lora_max_rows
         self.humming_layout = humming_layout
-        self.pdl = pdl
+        self.pdl, self.lora_sms = pdl, lora_sms
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -192,21 +195,10 @@ class FastEngine:
         self._state = None
 
     def wave_rows(self, plan: Plan, n_rows: int, slots: int, group: int) -> int:
-        """Rows per wave: all of them if their KV cache and sampling buffers fit the budget, else
-        as many as fit (whole prompt groups of ``group`` rows when at least one group fits)."""
-        per_row = plan.kv_bytes_per_row(slots) + SAMPLING_BYTES_PER_LOGIT * plan.vocab
-        if self.kv_budget_gib is not None:
-            budget = self.kv_budget_gib * GiB
-        elif plan.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(plan.device)
-            held = 0 if self._state is None else self._state.nbytes()
-            cached = torch.cuda.memory_reserved(plan.device) \
-                - torch.cuda.memory_allocated(plan.device)
-            budget = self.kv_budget_fraction * (free + cached + held)
-        else:
-            return n_rows
-        rows = min(n_rows, max(1, int(budget // per_row)))
-        return rows if rows < group or rows == n_rows else rows // group * group
+        """Rows per wave (:func:`qerl.rollout.fast.state.wave_rows`, this engine's budget)."""
+        held = 0 if self._state is None else self._state.nbytes()
+        return state.wave_rows(plan, n_rows, slots, group, self.kv_budget_gib,
+                               self.kv_budget_fraction, held)
 
     def _generate(self, model, prompt_ids, sp: SamplingParams, generator) -> RolloutBatch:
         t0 = time.perf_counter()
@@ -260,7 +252,7 @@ class FastEngine:
                            "lora_kernel": "fused" if st.lora_fused is not None
                            else ("cublas" if st.lora_out else "none"),
                            "lora_stream": "side" if st.side is not None else "main",
-                           "pdl": st.pdl}
+                           "pdl": st.pdl, "gemm_sms": st.gemm_sms}
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
             completion_ids=cat[0], completion_mask=cat[1], logprobs=cat[2], truncated=~done,
@@ -337,7 +329,7 @@ class FastEngine:
                    backend: str, pdl: bool) -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
-               pdl)
+               pdl, self.lora_sms)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -351,7 +343,7 @@ class FastEngine:
         overlap = self.lora_overlap  # default: a side stream for the cuBLAS pair only
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None
-        st.pdl = pdl
+        st.pdl, st.gemm_sms = pdl, beside_gemm_sms(st, self.lora_sms, plan.device)
         self._state = st
         return st
 

@@ -71,12 +71,13 @@ class GroupGemm:
             row += m.out_f
         return w
 
-    def raw(self, x: torch.Tensor, pdl: bool = False) -> list[torch.Tensor]:
+    def raw(self, x: torch.Tensor, pdl: bool = False, sms: int | None = None) -> list[torch.Tensor]:
         """``x [M, K]`` -> the members' raw outputs ``[M, N_i]`` (views of one buffer when the
-        group runs as one GEMM); ``pdl``: humming's GEMM with programmatic dependent launch."""
+        group runs as one GEMM); ``pdl`` / ``sms``: humming's GEMM with programmatic dependent
+        launch / on at most ``sms`` multiprocessors (:meth:`HummingFp4.tuning_for`)."""
         g = self.group
         if self.uses_humming(x.shape[0]):
-            y = self.humming(x if x.is_contiguous() else x.contiguous(), pdl=pdl)
+            y = self.humming(x if x.is_contiguous() else x.contiguous(), pdl=pdl, sms=sms)
             return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
         if g.all_fp4:
             y = F.linear(x, self._dequantized(g.members, x.device))

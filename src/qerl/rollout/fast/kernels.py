@@ -17,21 +17,17 @@ An :class:`Epilogue` names the raw output, the column offset of the member in it
 group's vectors. Everything runs in the model dtype with float32 arithmetic inside a kernel and
 one rounding per value the torch path also rounds.
 
-Programmatic dependent launch (PDL, Hopper and later; ``pdl=True`` on a launcher): the kernel is
-launched with CUDA's programmatic stream serialization, so it may start while the kernel before it
-on the stream is still running; its programs first wait for that kernel to finish
-(``griddepcontrol.wait``, which also makes its writes visible), then let the next kernel launch
-(``griddepcontrol.launch_dependents``). Every kernel that is launched this way waits before it
-touches memory, so the order of the stream holds transitively; what is saved is the launch latency
-and the ramp-up of each kernel boundary (humming's GEMMs do the same with ``use_pdl``).
+Every launcher takes ``pdl``: the kernel launched with programmatic dependent launch
+(:mod:`qerl.rollout.fast.pdl`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from qerl.rollout.fast.pdl import launch_kw
 
 try:
     import triton
@@ -42,34 +38,12 @@ except Exception:  # noqa: BLE001 - pragma: no cover - depends on the machine
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "launch_kw",
-           "pdl_supported", "qkv_rope", "silu_mul"]
+__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "qkv_rope",
+           "silu_mul"]
 
 
 def np2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Whether the decode kernels can use programmatic dependent launch on ``device``: a CUDA
-    GPU of compute capability 9.0 or later, compiled Triton (not the interpreter) whose launcher
-    takes ``launch_pdl``, and ``QERL_PDL`` not set to ``0`` / ``off`` / ``false``."""
-    if not HAS_TRITON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if os.environ.get("QERL_PDL", "").strip().lower() in ("0", "off", "false", "no"):
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except Exception:  # noqa: BLE001 - pragma: no cover - another Triton backend
-        return False
-    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
-    return "launch_pdl" in fields and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def launch_kw(pdl: bool) -> dict:
-    """The launch options of a kernel launched with (``pdl``) or without PDL; the kernel gets
-    ``PDL=pdl`` too, so it waits for the kernel before it (see the module docstring)."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @dataclass
@@ -93,16 +67,7 @@ BLOCK_M = 16
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def pdl_enter(PDL: tl.constexpr):
-        """First thing in a kernel launched with PDL: wait for the kernel before it (its writes
-        visible), then let the next one launch. Nothing when ``PDL`` is false."""
-        if PDL:
-            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+    from qerl.rollout.fast.pdl import pdl_enter
 
     @triton.jit
     def _epilogue(raw_ptr, sr, rows, rmask, lcol, gcol, cmask, cs_ptr, b_ptr, lo_ptr, slo,

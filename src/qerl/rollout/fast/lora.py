@@ -39,7 +39,8 @@ import warnings
 
 import torch
 
-from qerl.rollout.fast.kernels import HAS_TRITON, launch_kw, np2, tl, triton
+from qerl.rollout.fast.kernels import HAS_TRITON, np2, tl, triton
+from qerl.rollout.fast.pdl import launch_kw
 
 __all__ = ["FUSED_MAX_M", "MAX_ROWS", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
 
@@ -111,13 +112,18 @@ class LoraLaunch:
 
 def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
                acc: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch,
-               pdl: bool = False) -> torch.Tensor:
+               pdl: bool = False, beside: bool = False) -> torch.Tensor:
     """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``acc``: float32, at least
     ``launch.acc_numel(M)``, and ``counters``: int64 ``[2]``, both zeros before their first launch
     and then only ever passed to launches of the same ``launch`` and ``M``, one at a time (one
     stream): each launch leaves them as the next one needs them. ``pdl``: launched with
-    programmatic dependent launch (:mod:`qerl.rollout.fast.kernels`; every program waits for
-    the kernel before it before it takes its ticket)."""
+    programmatic dependent launch (:mod:`qerl.rollout.fast.pdl`; every program waits for
+    the kernel before it before it takes its ticket). ``beside`` (with ``pdl``): launched right
+    after the group's base GEMM, which lets it launch at its own start, so the two run at once
+    (on the multiprocessors the GEMM leaves free, see ``FastEngine(lora_sms=...)``): the
+    programs do not wait at their start (``x`` is complete: the GEMM started only after the
+    kernel that wrote it finished) but at their end, so that this kernel finishes after the
+    GEMM and its consumer, which waits for this kernel only, sees both outputs."""
     m, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"fused_lora takes at most {MAX_ROWS} rows, got {m}")
@@ -132,6 +138,8 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
         raise ValueError(f"fused_lora: x [{m}, {k}] / b_full [{n}, {r}] do not match the launch "
                          f"({launch.split} shrink slices, {launch.n_tiles} tiles, rank "
                          f"{launch.r_total})")
+    if beside and not pdl:
+        raise ValueError("fused_lora: beside=True needs pdl=True")
     if acc.numel() < launch.acc_numel(m):
         raise ValueError(f"fused_lora: acc holds {acc.numel()} values, {launch.acc_numel(m)} needed")
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
@@ -140,7 +148,7 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
                        m, k, r, n, launch.split,
                        BM=max(16, np2(m)), BK=launch.k_per, BR=max(16, np2(r)), RS=launch.window,
                        BN=BLOCK_N, ZB=max(16, np2(-(-m * r // launch.split))), DT=dt, num_warps=4,
-                       **launch_kw(pdl))
+                       BESIDE=beside, **launch_kw(pdl))
     return out
 
 
@@ -183,14 +191,17 @@ def fused_lora_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 if HAS_TRITON:
-    from qerl.rollout.fast.kernels import pdl_enter
+    from qerl.rollout.fast.pdl import pdl_launch, pdl_wait
 
     @triton.jit
     def _lora_kernel(x_ptr, sx, a_ptr, b_ptr, acc_ptr, lo_ptr, slo, cnt_ptr, r0_ptr, M, K, R, N,
                      SPLIT, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
                      RS: tl.constexpr, BN: tl.constexpr, ZB: tl.constexpr, DT: tl.constexpr,
-                     PDL: tl.constexpr):
-        pdl_enter(PDL)  # before the ticket: the previous launch on these counters is done
+                     PDL: tl.constexpr, BESIDE: tl.constexpr):
+        if PDL:
+            if not BESIDE:
+                pdl_wait()  # before the ticket: the previous launch on these counters is done
+            pdl_launch()
         rows = tl.arange(0, BM)
         rmask = rows < M
         t = tl.atomic_add(cnt_ptr, 1)  # the ticket (int64: it only ever grows)
@@ -204,8 +215,12 @@ if HAS_TRITON:
             rk = rr < R
             offs = lt * BK + tl.arange(0, BK)
             km = offs < K
-            xt = tl.load(x_ptr + rows[:, None] * sx + offs[None, :],
-                         mask=rmask[:, None] & km[None, :], other=0.0)
+            if BESIDE:  # x comes from the kernel before the GEMM: read at L2, not a stale L1
+                xt = tl.load(x_ptr + rows[:, None] * sx + offs[None, :],
+                             mask=rmask[:, None] & km[None, :], other=0.0, cache_modifier=".cg")
+            else:
+                xt = tl.load(x_ptr + rows[:, None] * sx + offs[None, :],
+                             mask=rmask[:, None] & km[None, :], other=0.0)
             at = tl.load(a_ptr + rr[:, None] * K + offs[None, :], mask=rk[:, None] & km[None, :],
                          other=0.0)
             part = tl.dot(xt, tl.trans(at))
@@ -237,3 +252,6 @@ if HAS_TRITON:
             y = tl.dot(xa.to(DT), tl.trans(b))
             tl.store(lo_ptr + rows[:, None] * slo + cols[None, :], y.to(DT),
                      mask=rmask[:, None] & cm[None, :])
+        if PDL:
+            if BESIDE:  # finish after the GEMM launched before this kernel: the consumer waits
+                pdl_wait()  # only for this kernel, and reads both outputs

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from qerl.rollout.fast.kernels import pdl_supported
+from qerl.rollout.fast.pdl import pdl_supported
 
-__all__ = ["bool_or_none", "choice", "int_in", "resolve_pdl"]
+__all__ = ["beside_gemm_sms", "bool_or_none", "choice", "int_in", "resolve_pdl"]
 
 
 def choice(name: str, value, allowed: tuple[str, ...]) -> None:
@@ -15,9 +15,9 @@ def choice(name: str, value, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
 
 
-def int_in(name: str, value, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
-        raise ValueError(f"{name} must be an int in 1..{hi}, got {value!r}")
+def int_in(name: str, value, hi: int, lo: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an int in {lo}..{hi}, got {value!r}")
 
 
 def bool_or_none(name: str, value, none_means: str = "automatic") -> None:
@@ -27,7 +27,7 @@ def bool_or_none(name: str, value, none_means: str = "automatic") -> None:
 
 def resolve_pdl(requested: bool | None, device: torch.device) -> bool:
     """``pdl`` of the engine for ``device``: ``None`` uses programmatic dependent launch where
-    :func:`qerl.rollout.fast.kernels.pdl_supported`; ``True`` where it is not raises."""
+    :func:`qerl.rollout.fast.pdl.pdl_supported`; ``True`` where it is not raises."""
     bool_or_none("pdl", requested)
     if requested is None:
         return pdl_supported(device)
@@ -36,3 +36,12 @@ def resolve_pdl(requested: bool | None, device: torch.device) -> bool:
                          f"compiled Triton with launch_pdl (QERL_PDL not 0); the model is on "
                          f"{device}: use pdl=None (automatic) or pdl=False")
     return requested
+
+
+def beside_gemm_sms(st, lora_sms: int, device: torch.device) -> int | None:
+    """Multiprocessors humming's decode GEMMs get when the fused LoRA runs beside them: all but
+    ``lora_sms``, where that applies to state ``st`` (PDL on, the fused kernel on the main
+    stream); else ``None`` (the LoRA before the GEMM)."""
+    if not (st.pdl and lora_sms and st.lora_fused is not None and st.side is None):
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count - lora_sms

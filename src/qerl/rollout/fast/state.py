@@ -45,7 +45,8 @@ class State:
     # None: the LoRA runs as cuBLAS GEMMs
     lora_fused: dict | None = None
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
-    pdl: bool = False  # decode kernels with programmatic dependent launch (kernels.pdl_supported)
+    pdl: bool = False  # decode kernels with programmatic dependent launch (pdl.pdl_supported)
+    gemm_sms: int | None = None  # humming's multiprocessors when the fused LoRA runs beside it
     side: torch.cuda.Stream | None = None
     graph: object = None
 
@@ -170,3 +171,25 @@ def pad_cols(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     if t.shape[1] == width:
         return t
     return torch.cat([t, torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)], 1)
+
+
+SAMPLING_BYTES_PER_LOGIT = 32  # float32 logits, softmax, sorted copy, int64 order, cumsum
+
+
+def wave_rows(plan: Plan, n_rows: int, slots: int, group: int, budget_gib: float | None,
+              fraction: float, held: int = 0) -> int:
+    """Rows per wave: all of them if their KV cache and sampling buffers fit the budget
+    (``budget_gib``, else ``fraction`` of the free device memory plus what the caching allocator
+    and the engine's current state ``held``; no limit on the CPU), else as many as fit (whole
+    prompt groups of ``group`` rows when at least one group fits)."""
+    per_row = plan.kv_bytes_per_row(slots) + SAMPLING_BYTES_PER_LOGIT * plan.vocab
+    if budget_gib is not None:
+        budget = budget_gib * (1 << 30)
+    elif plan.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(plan.device)
+        cached = torch.cuda.memory_reserved(plan.device) - torch.cuda.memory_allocated(plan.device)
+        budget = fraction * (free + cached + held)
+    else:
+        return n_rows
+    rows = min(n_rows, max(1, int(budget // per_row)))
+    return rows if rows < group or rows == n_rows else rows // group * group
