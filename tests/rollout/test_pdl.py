@@ -83,3 +83,20 @@ def test_launch_options_name_the_kernel_flag_and_the_launch_attribute() -> None:
     programmatic-serialization attribute (``launch_pdl``); without, neither."""
     assert K.launch_kw(True) == {"PDL": True, "launch_pdl": True}
     assert K.launch_kw(False) == {"PDL": False}
+
+
+def test_lora_runs_beside_the_gemm_only_with_pdl_and_the_fused_kernel_on_the_main_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FastEngine(lora_sms=N)``: humming's GEMMs get all but N multiprocessors only where the
+    fused LoRA can run beside them (PDL on, the fused kernel, no side stream)."""
+    from types import SimpleNamespace
+
+    from qerl.rollout.fast.options import beside_gemm_sms
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=132))
+    ok = dict(pdl=True, lora_fused={"qkv": ()}, side=None)
+    assert beside_gemm_sms(SimpleNamespace(**ok), 16, CUDA) == 116
+    assert beside_gemm_sms(SimpleNamespace(**ok), 0, CUDA) is None
+    for why in (dict(pdl=False), dict(lora_fused=None), dict(side=object())):
+        assert beside_gemm_sms(SimpleNamespace(**{**ok, **why}), 16, CUDA) is None, why

@@ -343,7 +343,8 @@ class FastEngine:
         overlap = self.lora_overlap  # default: a side stream for the cuBLAS pair only
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None
-        st.pdl, st.gemm_sms = pdl, beside_gemm_sms(st, self.lora_sms, plan.device)
+        st.pdl = pdl
+        st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
         self._state = st
         return st
 
