@@ -19,9 +19,10 @@ run 27, so the same as ``fast_nvfp4_lora``),
 compressed-tensors layout, ``FastEngine(humming_layout="ct")``; the other columns run the engine's
 default, bf16 group scales), ``fast_bf16_nopdl`` / ``fast_nvfp4_nopdl`` / ``fast_nvfp4_lora_nopdl``
 (the decode kernels without programmatic dependent launch, ``FastEngine(pdl=False)``; the other
-columns run the engine's default, PDL where the GPU has it), ``fast_nvfp4_lora_beside8`` /
-``_beside16`` (the fused LoRA beside humming's GEMM, which leaves it 8 / 16 multiprocessors,
-``FastEngine(lora_sms=...)``). Per cell: tokens/s
+columns run the engine's default, PDL where the GPU has it), ``fast_nvfp4_lora_before`` (the
+fused LoRA before humming's GEMM, ``FastEngine(lora_sms=0)``), ``fast_nvfp4_lora_beside8`` /
+``_beside16`` (beside the GEMM, which leaves it 8 / 16 multiprocessors, ``lora_sms=8`` / ``16``;
+8 is the engine's default, so ``_beside8`` is ``fast_nvfp4_lora``). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -75,6 +76,7 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_fused64": dict(fused_lora_max_rows=64),
                        "fast_nvfp4_lora_ct": dict(humming_layout="ct"),
                        "fast_nvfp4_lora_nopdl": dict(pdl=False),
+                       "fast_nvfp4_lora_before": dict(lora_sms=0),
                        "fast_nvfp4_lora_beside8": dict(lora_sms=8),
                        "fast_nvfp4_lora_beside16": dict(lora_sms=16)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl",
