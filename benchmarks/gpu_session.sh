@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU benchmarks and tests of issues #9, #10 and #16 on the device machine, in the order given,
 # each phase time-boxed; everything measured is written under $OUT as it goes (at most 8 files come
-# back). From the repo root, with .whl/ (humming-kernels, tabulate) and .whl_kedro/ (pydantic,
-# bitsandbytes, kedro, ...) carried:
+# back). From the repo root, with .whl/ (humming-kernels, tabulate) and, for paper7b, .whl_kedro/
+# (pydantic, bitsandbytes, kedro, ...) carried (benchmarks/gpu_wheels.sh fetches both here).
+# pytest's addopts already say -q: the phases add none (-qq would hide the summary line):
 #   bash benchmarks/gpu_session.sh "tests tune rollout7b64 rollout7b1 rollout32b"
 #   bash benchmarks/gpu_session.sh "rlstep7b rlstep32b rlstep72b"
 #   bash benchmarks/gpu_session.sh paper7b     (one phase per call: about 9 minutes)
@@ -40,25 +41,25 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout 2>&1 | tee "$OUT/gpu_tests.log" ;;
     samplertests)  # the sampling kernels against torch on the GPU, and the engine graph at real width
-      timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "sample or real_model_width" \
+      timeout 100 python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "sample or real_model_width" \
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | tail -15 ;;
     loratests)  # the fused LoRA kernel against float32 on the GPU, then the engine's GPU tests that run it
       # (two pytest calls: a -k filter would apply to every file given and deselect the engine tests,
       # as it did in runs 21-22 and 25 of docs/benchmarks.md)
-      timeout 60 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "lora" 2>&1 | tail -15
+      timeout 60 python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "lora" 2>&1 | tail -15
       echo "pytest rc=${PIPESTATUS[0]}"
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE \
+      timeout 150 python3 -m pytest -p no:cacheprovider -n 8 -rfE \
         tests/rollout/test_fast_engine.py::test_gpu_graph_engine_matches_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width \
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout \
         tests/kernels/test_tuning_cache.py 2>&1 | tail -25; echo "pytest rc=${PIPESTATUS[0]}" ;;
     layouttests)  # humming's NVFP4 copy with bf16 group scales against the float32 reference and the ct layout
-      timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/kernels/test_gpu_fp4.py -k "humming" 2>&1 | tail -15
+      timeout 100 python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/kernels/test_gpu_fp4.py -k "humming" 2>&1 | tail -15
       echo "pytest rc=${PIPESTATUS[0]}" ;;
     pdltests)  # programmatic dependent launch and the LoRA beside the GEMM: the rollout against teacher
       # forcing with and without them (5 cases, 7B widths; about 100 s)
-      timeout ${PDLTESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -n 5 -rfE \
+      timeout ${PDLTESTS_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -n 5 -rfE \
         tests/rollout/test_fast_engine.py::test_gpu_pdl_rollout_matches_teacher_forcing 2>&1 | tail -25
       echo "pytest rc=${PIPESTATUS[0]}" ;;
     singlecopy)  # the single-copy engine leaves nothing of a call behind (cuBLAS workspaces included)
