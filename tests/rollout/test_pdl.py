@@ -100,3 +100,7 @@ def test_lora_runs_beside_the_gemm_only_with_pdl_and_the_fused_kernel_on_the_mai
     assert beside_gemm_sms(SimpleNamespace(**ok), 0, CUDA) is None
     for why in (dict(pdl=False), dict(lora_fused=None), dict(side=object())):
         assert beside_gemm_sms(SimpleNamespace(**{**ok, **why}), 16, CUDA) is None, why
+    # a GPU with no more multiprocessors than asked for: the GEMM keeps them all
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=16))
+    assert beside_gemm_sms(SimpleNamespace(**ok), 16, CUDA) is None

@@ -35,9 +35,11 @@ from qerl.rollout.fast.torch_forward import TorchContext, group_forward
 __all__ = ["capture", "step"]
 
 
-def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | None:
+def _lora(st: State, kind: str, g: Group, x: torch.Tensor,
+          beside: bool = False) -> torch.Tensor | None:
     """Launch the group's LoRA (shrink, then expand into ``st.lora_out[kind]``) on the side
-    stream when there is one; ``None`` for a group without adapters."""
+    stream when there is one; ``None`` for a group without adapters. ``beside``: the fused
+    kernel launched right after the group's humming GEMM, to run beside it."""
     if not g.r_total:
         return None
     rows = x.shape[0]
@@ -48,7 +50,7 @@ def _lora(st: State, kind: str, g: Group, x: torch.Tensor) -> torch.Tensor | Non
         if st.lora_fused is not None:
             launch, acc, counters = st.lora_fused[kind]
             fused_lora(x, g.a_cat, g.b_full, lo, acc, counters, launch,
-                       pdl=st.pdl and st.side is None, beside=st.gemm_sms is not None)
+                       pdl=st.pdl and st.side is None, beside=beside)
         else:
             xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
             torch.mm(x, g.a_cat.t(), out=xa)
@@ -90,11 +92,13 @@ def _raw(ctx: TorchContext, g: Group, x: torch.Tensor, pdl: bool = False,
 def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor,
               rows: int) -> list[K.Epilogue]:
     """The group's base GEMM with its LoRA alongside, as epilogues for the consumer kernel;
-    ``st.gemm_sms`` set: the GEMM on that many multiprocessors, then the fused LoRA launched
-    beside it (on the others; :func:`qerl.rollout.fast.lora.fused_lora`)."""
-    if st.gemm_sms is not None and g.r_total:
+    ``st.gemm_sms`` set and the GEMM humming's: the GEMM on that many multiprocessors, then the
+    fused LoRA launched beside it (on the others; :func:`qerl.rollout.fast.lora.fused_lora`).
+    Other GEMMs (cuBLAS) do not let the next kernel start early: the LoRA goes first."""
+    gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
+    if st.gemm_sms is not None and g.r_total and gemm is not None and gemm.uses_humming(rows):
         raws = _raw(ctx, g, x, st.pdl, st.gemm_sms)
-        lo = _lora(st, kind, g, x)
+        lo = _lora(st, kind, g, x, beside=True)
     else:
         lo = _lora(st, kind, g, x)
         raws = _raw(ctx, g, x, st.pdl)

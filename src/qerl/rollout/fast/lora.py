@@ -30,7 +30,11 @@ Every program is one load round trip plus a few atomics: the first version loope
 A waiting program only waits for tickets handed out before its own, to programs already running,
 so the launch cannot deadlock whatever else shares the GPU, provided the counters' launches run
 one at a time (one stream) and all have the same programs (one counter set per group kind and row
-count; :func:`fused_lora` checks the shapes against the launch).
+count; :func:`fused_lora` checks the shapes against the launch). With programmatic dependent
+launch (``pdl``) they still do: a launch of a kind and the next one of that kind have other
+kernels between them, each of which waits for the one before it to finish before it lets the
+next one start; beside the GEMM (``beside``) the programs also wait at their end, for the GEMM
+only, which never waits for them.
 """
 
 from __future__ import annotations
@@ -117,13 +121,15 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
     ``launch.acc_numel(M)``, and ``counters``: int64 ``[2]``, both zeros before their first launch
     and then only ever passed to launches of the same ``launch`` and ``M``, one at a time (one
     stream): each launch leaves them as the next one needs them. ``pdl``: launched with
-    programmatic dependent launch (:mod:`qerl.rollout.fast.pdl`; every program waits for
-    the kernel before it before it takes its ticket). ``beside`` (with ``pdl``): launched right
-    after the group's base GEMM, which lets it launch at its own start, so the two run at once
+    programmatic dependent launch (:mod:`qerl.rollout.fast.pdl`; without ``beside``, every
+    program waits for the kernel before it before it takes its ticket). ``beside`` (with
+    ``pdl``): launched right after the group's humming GEMM, which lets it launch as soon as the
+    GEMM has started (humming triggers its dependants after its own wait), so the two run at once
     (on the multiprocessors the GEMM leaves free, see ``FastEngine(lora_sms=...)``): the
     programs do not wait at their start (``x`` is complete: the GEMM started only after the
-    kernel that wrote it finished) but at their end, so that this kernel finishes after the
-    GEMM and its consumer, which waits for this kernel only, sees both outputs."""
+    kernel that wrote it finished; it is read at L2) but at their end, so that this kernel
+    finishes after the GEMM and its consumer, which waits for this kernel only, sees both
+    outputs."""
     m, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"fused_lora takes at most {MAX_ROWS} rows, got {m}")
