@@ -329,6 +329,10 @@ def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
         L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
                      torch.zeros(lau.acc_numel(2), device=DEV),
                      torch.zeros(2, dtype=torch.int64, device=DEV), lau, beside=True)
+    with pytest.raises(ValueError, match="end_wait must be all or one"):
+        L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
+                     torch.zeros(lau.acc_numel(2), device=DEV),
+                     torch.zeros(2, dtype=torch.int64, device=DEV), lau, end_wait="some")
 
 
 def test_fused_lora_kernel_compiles_for_hopper() -> None:
@@ -350,9 +354,13 @@ P = {"x_ptr": "*bf16", "sx": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "acc_ptr
      "lo_ptr": "*bf16", "slo": "i32", "cnt_ptr": "*i64", "r0_ptr": "*i32", "M": "i32", "K": "i32",
      "R": "i32", "N": "i32", "SPLIT": "i32"}
 fn = L._lora_kernel
-for (bm, br, bk), pdl, beside in (((16, 128, 128), False, False), ((64, 32, 256), False, False),
-                                   ((16, 128, 128), True, False), ((16, 128, 128), True, True)):
-    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, ZB=64, DT=tl.bfloat16, PDL=pdl, BESIDE=beside)
+for (bm, br, bk), pdl, beside, one in (((16, 128, 128), False, False, False),
+                                        ((64, 32, 256), False, False, False),
+                                        ((16, 128, 128), True, False, False),
+                                        ((16, 128, 128), True, True, False),
+                                        ((16, 128, 128), True, True, True)):
+    const = dict(BM=bm, BK=bk, BR=br, RS=32, BN=128, ZB=64, DT=tl.bfloat16, PDL=pdl, BESIDE=beside,
+                 ONE_WAITER=one)
     sig = {a: ("constexpr" if a in const else P[a]) for a in fn.arg_names}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]

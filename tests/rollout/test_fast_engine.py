@@ -330,6 +330,8 @@ def test_bad_engine_options() -> None:
     for bad in (-1, 65, True, 8.0):
         with pytest.raises(ValueError, match="lora_sms must be an int in 0..64"):
             FastEngine(lora_sms=bad)
+    with pytest.raises(ValueError, match="lora_end_wait must be all or one"):
+        FastEngine(lora_end_wait="none")
     # asked for where it cannot work: refused before the prefill, naming the option and the fix
     eng = FastEngine(backend="torch", pdl=True)
     with pytest.raises(ValueError, match=r"pdl=True needs a CUDA GPU .* use pdl=None"):
@@ -453,10 +455,10 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows, max_r
 
 
 @gpu
-@pytest.mark.parametrize("n_rows,lora_kernel,lora_sms", [(1, "fused", 0), (8, "fused", 0),
-                                                         (8, "cublas", 0), (1, "fused", 16),
-                                                         (8, "fused", 16)])
-def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel, lora_sms) -> None:
+@pytest.mark.parametrize("n_rows,lora_kernel,lora_sms,end_wait", [
+    (1, "fused", 0, "all"), (8, "fused", 0, "all"), (8, "cublas", 0, "all"),
+    (1, "fused", 16, "all"), (8, "fused", 16, "all"), (8, "fused", 8, "one")])
+def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel, lora_sms, end_wait) -> None:
     """Programmatic dependent launch changes when kernels start, not what they compute: at 7B
     widths (two layers, NVFP4 + LoRA: humming, the fused LoRA's ticket protocol or the cuBLAS
     pair on its side stream, every Triton kernel) the rollout with it agrees with a full forward
@@ -475,7 +477,8 @@ def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel, lora_sms) 
     errs = {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for pdl in (False, True):
-        eng = FastEngine(pdl=pdl, lora_kernel=lora_kernel, lora_sms=lora_sms)
+        eng = FastEngine(pdl=pdl, lora_kernel=lora_kernel, lora_sms=lora_sms,
+                         lora_end_wait=end_wait)
         out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
         assert eng.last_stats["pdl"] is pdl and eng.last_stats["cuda_graph"]
         assert eng.last_stats["lora_kernel"] == lora_kernel

@@ -50,7 +50,7 @@ def _lora(st: State, kind: str, g: Group, x: torch.Tensor,
         if st.lora_fused is not None:
             launch, acc, counters = st.lora_fused[kind]
             fused_lora(x, g.a_cat, g.b_full, lo, acc, counters, launch,
-                       pdl=st.pdl and st.side is None, beside=beside)
+                       pdl=st.pdl and st.side is None, beside=beside, end_wait=st.lora_end_wait)
         else:
             xa = st.lora_xa[kind][: rows * g.r_total].view(rows, g.r_total)
             torch.mm(x, g.a_cat.t(), out=xa)

@@ -86,7 +86,9 @@ class FastEngine:
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
         lora_sms: with PDL and the fused LoRA on the main stream, humming's decode GEMMs leave
             this many multiprocessors to the group's LoRA, which runs beside the GEMM (0: before
-            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38).
+            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38);
+            ``lora_end_wait``: ``"all"`` or ``"one"`` of its programs wait for the GEMM at their
+            end (:func:`qerl.rollout.fast.lora.fused_lora`; ``"one"`` not measured yet).
     """
 
     name = "fast"
@@ -98,7 +100,7 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8) -> None:
+                 lora_sms: int = 8, lora_end_wait: str = "all") -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -107,6 +109,7 @@ class FastEngine:
             int_in("attention_splits", attention_splits, 64)
         bool_or_none("pdl", pdl)
         int_in("lora_sms", lora_sms, 64, lo=0)
+        choice("lora_end_wait", lora_end_wait, ("all", "one"))
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -124,7 +127,7 @@ class FastEngine:
         self.lora_kernel = lora_kernel
         self.fused_lora_max_rows = fused_lora_max_rows
         self.humming_layout = humming_layout
-        self.pdl, self.lora_sms = pdl, lora_sms
+        self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -330,7 +333,7 @@ class FastEngine:
                    backend: str, pdl: bool) -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
-               pdl, self.lora_sms)
+               pdl, self.lora_sms, self.lora_end_wait)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -346,6 +349,7 @@ class FastEngine:
         st.side = self._stream(plan.device, "lora") if overlap else None
         st.pdl = pdl
         st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
+        st.lora_end_wait = self.lora_end_wait
         self._state = st
         return st
 

@@ -116,7 +116,8 @@ class LoraLaunch:
 
 def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
                acc: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch,
-               pdl: bool = False, beside: bool = False) -> torch.Tensor:
+               pdl: bool = False, beside: bool = False,
+               end_wait: str = "all") -> torch.Tensor:
     """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``acc``: float32, at least
     ``launch.acc_numel(M)``, and ``counters``: int64 ``[2]``, both zeros before their first launch
     and then only ever passed to launches of the same ``launch`` and ``M``, one at a time (one
@@ -129,7 +130,9 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
     programs do not wait at their start (``x`` is complete: the GEMM started only after the
     kernel that wrote it finished; it is read at L2) but at their end, so that this kernel
     finishes after the GEMM and its consumer, which waits for this kernel only, sees both
-    outputs."""
+    outputs. ``end_wait``: ``"all"`` programs wait at their end (measured, run 38), or ``"one"``
+    (the first ticket's; the launch still finishes only after the GEMM, and the other programs
+    free their slots as they finish: not measured yet)."""
     m, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"fused_lora takes at most {MAX_ROWS} rows, got {m}")
@@ -146,6 +149,8 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
                          f"{launch.r_total})")
     if beside and not pdl:
         raise ValueError("fused_lora: beside=True needs pdl=True")
+    if end_wait not in ("all", "one"):
+        raise ValueError(f"fused_lora: end_wait must be all or one, got {end_wait!r}")
     if acc.numel() < launch.acc_numel(m):
         raise ValueError(f"fused_lora: acc holds {acc.numel()} values, {launch.acc_numel(m)} needed")
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
@@ -154,7 +159,7 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
                        m, k, r, n, launch.split,
                        BM=max(16, np2(m)), BK=launch.k_per, BR=max(16, np2(r)), RS=launch.window,
                        BN=BLOCK_N, ZB=max(16, np2(-(-m * r // launch.split))), DT=dt, num_warps=4,
-                       BESIDE=beside, **launch_kw(pdl))
+                       BESIDE=beside, ONE_WAITER=end_wait == "one", **launch_kw(pdl))
     return out
 
 
@@ -203,7 +208,7 @@ if HAS_TRITON:
     def _lora_kernel(x_ptr, sx, a_ptr, b_ptr, acc_ptr, lo_ptr, slo, cnt_ptr, r0_ptr, M, K, R, N,
                      SPLIT, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
                      RS: tl.constexpr, BN: tl.constexpr, ZB: tl.constexpr, DT: tl.constexpr,
-                     PDL: tl.constexpr, BESIDE: tl.constexpr):
+                     PDL: tl.constexpr, BESIDE: tl.constexpr, ONE_WAITER: tl.constexpr):
         if PDL:
             if not BESIDE:
                 pdl_wait()  # before the ticket: the previous launch on these counters is done
@@ -260,4 +265,8 @@ if HAS_TRITON:
                      mask=rmask[:, None] & cm[None, :])
         if PDL:
             if BESIDE:  # finish after the GEMM launched before this kernel: the consumer waits
-                pdl_wait()  # only for this kernel, and reads both outputs
+                if ONE_WAITER:  # only for this kernel, and reads both outputs; one waiting
+                    if lt == 0:  # program is enough for that, and the others free their slots
+                        pdl_wait()
+                else:
+                    pdl_wait()
