@@ -27,16 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl.rollout.fast.pdl import launch_kw
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # noqa: BLE001 - pragma: no cover - depends on the machine
-    triton = tl = None
-    HAS_TRITON = False
+from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton  # the one Triton import
 
 __all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "qkv_rope",
            "silu_mul"]

@@ -44,6 +44,7 @@ import warnings
 import torch
 
 from qerl.rollout.fast.kernels import HAS_TRITON, np2, tl, triton
+from qerl.rollout.fast.options import choice
 from qerl.rollout.fast.pdl import launch_kw
 
 __all__ = ["FUSED_MAX_M", "MAX_ROWS", "LoraLaunch", "fused_lora", "fused_lora_ok", "lora_torch"]
@@ -149,8 +150,7 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
                          f"{launch.r_total})")
     if beside and not pdl:
         raise ValueError("fused_lora: beside=True needs pdl=True")
-    if end_wait not in ("all", "one"):
-        raise ValueError(f"fused_lora: end_wait must be all or one, got {end_wait!r}")
+    choice("end_wait", end_wait, ("all", "one"))
     if acc.numel() < launch.acc_numel(m):
         raise ValueError(f"fused_lora: acc holds {acc.numel()} values, {launch.acc_numel(m)} needed")
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]

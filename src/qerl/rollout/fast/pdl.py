@@ -16,7 +16,7 @@ import os
 
 import torch
 
-try:
+try:  # the fast engine's Triton import (qerl.rollout.fast.kernels re-exports it)
     import triton
     import triton.language as tl
 
@@ -25,7 +25,7 @@ except Exception:  # noqa: BLE001 - pragma: no cover - depends on the machine
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["launch_kw", "pdl_supported"]
+__all__ = ["HAS_TRITON", "launch_kw", "pdl_supported"]
 
 
 def pdl_supported(device: torch.device) -> bool:
