@@ -20,11 +20,14 @@ compressed-tensors layout, ``FastEngine(humming_layout="ct")``; the other column
 default, bf16 group scales), ``fast_bf16_nopdl`` / ``fast_nvfp4_nopdl`` / ``fast_nvfp4_lora_nopdl``
 (the decode kernels without programmatic dependent launch, ``FastEngine(pdl=False)``; the other
 columns run the engine's default, PDL where the GPU has it), ``fast_nvfp4_lora_before`` (the
-fused LoRA before humming's GEMM, ``FastEngine(lora_sms=0)``), ``fast_nvfp4_lora_beside8`` /
-``_beside16`` (beside the GEMM, which leaves it 8 / 16 multiprocessors, ``lora_sms=8`` / ``16``;
-8 is the engine's default, so ``_beside8`` is ``fast_nvfp4_lora``), ``fast_nvfp4_lora_onewait``
-(beside the GEMM, one LoRA program waiting for it at its end instead of all,
-``lora_end_wait="one"``). Per cell: tokens/s
+fused LoRA before humming's GEMM, ``FastEngine(lora_sms=0)``), ``fast_nvfp4_lora_beside4`` /
+``_beside8`` / ``_beside12`` / ``_beside16`` (beside the GEMM, which leaves it 4 / 8 / 12 / 16
+multiprocessors, ``lora_sms=4`` / ... / ``16``;
+8 is the engine's default, so ``_beside8`` is ``fast_nvfp4_lora``), ``fast_nvfp4_lora_onewait`` /
+``_allwait`` (beside the GEMM, one LoRA program waiting for it at its end, or all of them,
+``lora_end_wait="one"`` / ``"all"``; "one" is the default since run 40),
+``fast_nvfp4_lora_split2`` / ``_split4`` / ``_split6`` (the decode attention's KV slots in that
+many splits, ``FastEngine(attention_splits=...)``; the default chooses). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -79,9 +82,15 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_ct": dict(humming_layout="ct"),
                        "fast_nvfp4_lora_nopdl": dict(pdl=False),
                        "fast_nvfp4_lora_before": dict(lora_sms=0),
+                       "fast_nvfp4_lora_beside4": dict(lora_sms=4),
                        "fast_nvfp4_lora_beside8": dict(lora_sms=8),
+                       "fast_nvfp4_lora_beside12": dict(lora_sms=12),
                        "fast_nvfp4_lora_beside16": dict(lora_sms=16),
-                       "fast_nvfp4_lora_onewait": dict(lora_end_wait="one")}
+                       "fast_nvfp4_lora_onewait": dict(lora_end_wait="one"),
+                       "fast_nvfp4_lora_allwait": dict(lora_end_wait="all"),
+                       "fast_nvfp4_lora_split2": dict(attention_splits=2),
+                       "fast_nvfp4_lora_split4": dict(attention_splits=4),
+                       "fast_nvfp4_lora_split6": dict(attention_splits=6)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl",
                  *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

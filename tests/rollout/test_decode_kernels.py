@@ -329,7 +329,7 @@ def test_fused_lora_rejects_more_rows_than_it_takes() -> None:
         L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
                      torch.zeros(lau.acc_numel(2), device=DEV),
                      torch.zeros(2, dtype=torch.int64, device=DEV), lau, beside=True)
-    with pytest.raises(ValueError, match="end_wait must be all or one"):
+    with pytest.raises(ValueError, match="end_wait must be one or all"):
         L.fused_lora(x, a, b, torch.empty(2, 32, device=DEV, dtype=x.dtype),
                      torch.zeros(lau.acc_numel(2), device=DEV),
                      torch.zeros(2, dtype=torch.int64, device=DEV), lau, end_wait="some")

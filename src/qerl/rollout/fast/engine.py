@@ -86,9 +86,11 @@ class FastEngine:
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
         lora_sms: with PDL and the fused LoRA on the main stream, humming's decode GEMMs leave
             this many multiprocessors to the group's LoRA, which runs beside the GEMM (0: before
-            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38);
-            ``lora_end_wait``: ``"all"`` or ``"one"`` of its programs wait for the GEMM at their
-            end (:func:`qerl.rollout.fast.lora.fused_lora`; ``"one"`` not measured yet).
+            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38, and of
+            4 / 8 / 12 at 7B B=64, run 40); ``lora_end_wait``: ``"one"`` or ``"all"`` of its
+            programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
+            run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
+            at 7B B=1).
     """
 
     name = "fast"
@@ -100,7 +102,7 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8, lora_end_wait: str = "all") -> None:
+                 lora_sms: int = 8, lora_end_wait: str = "one") -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -109,7 +111,7 @@ class FastEngine:
             int_in("attention_splits", attention_splits, 64)
         bool_or_none("pdl", pdl)
         int_in("lora_sms", lora_sms, 64, lo=0)
-        choice("lora_end_wait", lora_end_wait, ("all", "one"))
+        choice("lora_end_wait", lora_end_wait, ("one", "all"))
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:

@@ -118,7 +118,7 @@ class LoraLaunch:
 def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: torch.Tensor,
                acc: torch.Tensor, counters: torch.Tensor, launch: LoraLaunch,
                pdl: bool = False, beside: bool = False,
-               end_wait: str = "all") -> torch.Tensor:
+               end_wait: str = "one") -> torch.Tensor:
     """``out [M, N] = (x a_cat^T) b_full^T`` in one launch; ``acc``: float32, at least
     ``launch.acc_numel(M)``, and ``counters``: int64 ``[2]``, both zeros before their first launch
     and then only ever passed to launches of the same ``launch`` and ``M``, one at a time (one
@@ -131,9 +131,9 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
     programs do not wait at their start (``x`` is complete: the GEMM started only after the
     kernel that wrote it finished; it is read at L2) but at their end, so that this kernel
     finishes after the GEMM and its consumer, which waits for this kernel only, sees both
-    outputs. ``end_wait``: ``"all"`` programs wait at their end (measured, run 38), or ``"one"``
-    (the first ticket's; the launch still finishes only after the GEMM, and the other programs
-    free their slots as they finish: not measured yet)."""
+    outputs. ``end_wait``: ``"one"`` (the first ticket's program waits at its end: the launch
+    still finishes only after the GEMM, and the other programs free their slots as they finish;
+    faster in run 40 of docs/benchmarks.md) or ``"all"`` programs wait."""
     m, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"fused_lora takes at most {MAX_ROWS} rows, got {m}")
@@ -150,7 +150,7 @@ def fused_lora(x: torch.Tensor, a_cat: torch.Tensor, b_full: torch.Tensor, out: 
                          f"{launch.r_total})")
     if beside and not pdl:
         raise ValueError("fused_lora: beside=True needs pdl=True")
-    choice("end_wait", end_wait, ("all", "one"))
+    choice("end_wait", end_wait, ("one", "all"))
     if acc.numel() < launch.acc_numel(m):
         raise ValueError(f"fused_lora: acc holds {acc.numel()} values, {launch.acc_numel(m)} needed")
     dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]

@@ -47,7 +47,7 @@ class State:
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
     pdl: bool = False  # decode kernels with programmatic dependent launch (pdl.pdl_supported)
     gemm_sms: int | None = None  # humming's multiprocessors when the fused LoRA runs beside it
-    lora_end_wait: str = "all"  # beside the GEMM: which LoRA programs wait at their end
+    lora_end_wait: str = "one"  # beside the GEMM: which LoRA programs wait at their end
     side: torch.cuda.Stream | None = None
     graph: object = None
 
