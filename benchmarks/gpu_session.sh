@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_session.sh "tests tune rollout7b64 rollout7b1 rollout32b"
 #   bash benchmarks/gpu_session.sh "rlstep7b rlstep32b rlstep72b"
 #   bash benchmarks/gpu_session.sh paper7b     (one phase per call: about 9 minutes)
-# The humming tuning cache starts from benchmarks/results/humming_tuning_h200.json when present.
+# The humming tuning file ($OUT/humming_tuning.json) starts as a copy of the one the package ships
+# for this GPU (src/qerl/kernels/tuned/), so what a tune phase writes there is the whole file to ship.
 set -x
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KEDRO_DISABLE_TELEMETRY=1
 OUT=${OUT:-/tmp/out}
@@ -15,8 +16,9 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl $(ls .whl_kedro/*.whl 2>/dev/null) || exit 1  # .whl_kedro: paper7b only
 export PYTHONPATH=/tmp/site:$PWD/src
-export QERL_HUMMING_TUNING=$OUT/humming_tuning_h200.json
-[ -f benchmarks/results/humming_tuning_h200.json ] && cp benchmarks/results/humming_tuning_h200.json "$QERL_HUMMING_TUNING"
+export QERL_HUMMING_TUNING=$OUT/humming_tuning.json
+SHIPPED=$(python3 -c "from qerl.kernels.tuning import shipped_path; print(shipped_path())")
+[ -f "$SHIPPED" ] && [ ! -f "$QERL_HUMMING_TUNING" ] && cp "$SHIPPED" "$QERL_HUMMING_TUNING"  # once per $OUT
 exec > >(tee -a "$OUT/run.log") 2>&1
 PHASES=${1:-"tests tune rollout7b64 rollout7b1 rollout32b"}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
@@ -68,9 +70,12 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     tune)  # humming's heuristic and its neighbours per decode shape, timed in CUDA graphs with a cold L2
       timeout ${TUNE_TIMEOUT:-70} python3 -m qerl.kernels.tune --models ${TUNE_MODELS:-7b,32b} --formats nvfp4 \
         --layouts ${TUNE_LAYOUTS:-ct,bf16_scales} --ms ${TUNE_MS:-1,32,64} --budget-s $(( ${TUNE_TIMEOUT:-70} - 15 )) --json "$OUT/tune.json" ;;
-    tune7b)  # a wider search (humming's sampler) at B=1 for the 7B layers that hold 87 % of the bytes
-      timeout 170 python3 -m qerl.kernels.tune --models 7b --formats nvfp4 --layouts ${TUNE_LAYOUTS:-bf16_scales} --ms 1 --only gate_up,down \
-        --samples 16 --budget-s 140 --json "$OUT/tune_7b.json" ;;
+    tunewide)  # the wide search (tiles, then variations of the fastest two) of TUNE_ONLY's layers (all
+      # four by default) of TUNE_MODELS at TUNE_MS, bf16-scale layout, at most TUNE_SHAPE_S seconds a shape
+      timeout ${TUNE_TIMEOUT:-300} python3 -m qerl.kernels.tune --models ${TUNE_MODELS:-7b} --formats nvfp4 \
+        --layouts bf16_scales --ms ${TUNE_MS:-1,64} ${TUNE_ONLY:+--only $TUNE_ONLY} --search wide \
+        --shape-budget-s ${TUNE_SHAPE_S:-60} --budget-s $(( ${TUNE_TIMEOUT:-300} - 15 )) \
+        --json "$OUT/tune_wide_$(echo "${TUNE_MODELS:-7b}_${TUNE_MS:-1,64}" | tr , -).json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)
@@ -83,7 +88,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     rollout7b64)
       timeout ${R64_TIMEOUT:-150} python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
         --columns ${COLS_7B64:-fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora} \
-        --json "$OUT/rollout_7b64.json" ;;
+        --json "$OUT/rollout_7b64${ROLLOUT_TAG:-}.json" ;;
     rollout7b1)
       timeout ${R1_TIMEOUT:-90} python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
         --columns ${COLS_7B1:-fast_bf16,fast_nvfp4,fast_nvfp4_lora} --json "$OUT/rollout_7b1.json" ;;

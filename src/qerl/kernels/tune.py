@@ -1,8 +1,21 @@
 """The tuner of humming's FP4 GEMM kernels for our models' decode shapes (GPU only): candidates
-around humming's heuristic choice, checked against it, timed with a cold L2, the fastest per M
-written to the per-GPU cache of :mod:`qerl.kernels.tuning`.
+checked against humming's heuristic choice, timed with a cold L2, the fastest per M written to the
+per-GPU cache of :mod:`qerl.kernels.tuning`.
 
-    python -m qerl.kernels.tune --models 7b,32b --formats nvfp4,mxfp4 --ms 1,32,64,128
+Two searches (``--search``), per row count M:
+
+- ``near``: humming's heuristic choice and its one-step neighbours (:func:`neighbours`);
+- ``wide``: that, then three stages, each compiled in parallel and timed the same way:
+  1. tiles (:func:`tile_candidates`): both MMA kinds (``mma``; ``wgmma`` with TMA and a
+     producer warp group) x block N x block K, the M tile fitted to M;
+  2. around the ``TOP`` fastest tiles (:func:`around`): warp shape, pipeline stages, CTAs per
+     SM, stream-K and the TMA / wgmma switches, one at a time;
+  3. each of those tiles with every stage-2 change that beat it, together (:func:`combine`).
+
+Candidates humming's own checks reject (geometry, registers, shared memory) are dropped before
+they are compiled (:func:`humming_legal`).
+
+    python -m qerl.kernels.tune --models 7b,32b --formats nvfp4 --ms 1,32,64 --search wide
 """
 
 from __future__ import annotations
@@ -18,10 +31,17 @@ import torch
 
 from qerl.kernels.tuning import _key, _store, cache_path, lookup, model_gemm_shapes
 
+BLOCK_N, BLOCK_K = (64, 128, 256, 512), (32, 64, 128, 256)  # the wide search's tiles
+AROUND = {"num_stages": (3, 4, 6, 8), "num_ctas_per_sm": (1, 2, 3, 4),
+          "use_stream_k": (True, False), "wgmma_split_issue_wait": (True,),
+          "evict_weights_first": (True,), "producer_registers": (40,), "multi_cast_size_a": (2,)}
+WGMMA_ONLY = ("wgmma_split_issue_wait", "wgmma_use_late_as", "use_f16_accum")
+WARP_SPEC_ONLY = ("producer_registers", "multi_cast_size_a")
+TOP = 2
+
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
 
 def graph_us(fn: Callable[[], object], reps: int = 10, flush_bytes: int = 128 << 20,
              trials: int = 5) -> float:
@@ -60,7 +80,8 @@ def graph_us(fn: Callable[[], object], reps: int = 10, flush_bytes: int = 128 <<
 
 
 def neighbours(cfg: dict) -> list[dict]:
-    """``cfg`` and its one-step variations (the tuner's candidates around a heuristic choice)."""
+    """``cfg`` and its one-step variations (the near search's candidates around a heuristic
+    choice)."""
     out = [cfg]
     for key, values in (("num_stages", (3, 4, 6)), ("num_ctas_per_sm", (1, 2)),
                         ("use_stream_k", (True, False))):
@@ -71,6 +92,107 @@ def neighbours(cfg: dict) -> list[dict]:
              "warp_shape": [ws[0], ws[1], bk] if ws[2] == bs[2] else ws}
             for bk in (64, 128) if bk != bs[2]]
     return out
+
+
+def m_tile(m: int) -> int:
+    """The smallest M tile that holds ``m`` rows: a power of two, at least 8."""
+    return max(8, 1 << (max(1, m) - 1).bit_length())
+
+
+def _kind(cfg: dict, mma: str) -> dict:
+    """``cfg`` as MMA kind ``mma``: ``wgmma`` with TMA and a producer warp group, ``mma`` with
+    neither and without the wgmma-only and warp-specialisation-only fields."""
+    wg = mma == "wgmma"
+    drop = set(WARP_SPEC_ONLY) | (set() if wg else set(WGMMA_ONLY))
+    return {**{k: v for k, v in cfg.items() if k not in drop}, "mma_type": mma, "use_tma": wg,
+            "use_warp_spec": wg}
+
+
+def tile_candidates(base: dict, m: int) -> list[dict]:
+    """Stage 1 of the wide search: ``base`` (a heuristic choice) with every MMA kind, block N and
+    block K; the M tile holds ``m`` rows; warps as humming lays them out (``mma``: 64 columns and
+    32 K a warp; ``wgmma``: 32 columns and up to 64 K a warp)."""
+    bm = m_tile(m)
+    out = []
+    for mma in ("mma", "wgmma"):
+        wn, wk = (32, 64) if mma == "wgmma" else (64, 32)
+        for bn in BLOCK_N:
+            for bk in BLOCK_K:
+                out.append({**_kind(base, mma), "block_shape": [bm, bn, bk],
+                            "warp_shape": [bm, wn, min(bk, wk)]})
+    return out
+
+
+def around(cfg: dict) -> list[dict]:
+    """Stage 2 of the wide search: ``cfg``'s one-step variations -- warp N (32, 64), two warps
+    along M or one, warp K (32, 64, 128; the block K is kept), and each value of :data:`AROUND`
+    that applies to its MMA kind (``wgmma_*``: wgmma; producer registers and multicast: with a
+    producer warp group)."""
+    bm, _, bk = cfg["block_shape"]
+    wm, wn, wk = cfg["warp_shape"]
+    warps = {(wm, v, wk) for v in (32, 64)} | {(wm, wn, v) for v in (32, 64, 128) if v <= bk}
+    if bm >= 16:
+        warps.add((bm // 2 if wm == bm else bm, wn, wk))
+    out = [{**cfg, "warp_shape": list(w)} for w in sorted(warps) if w != (wm, wn, wk)]
+    for key, values in AROUND.items():
+        if (key in WGMMA_ONLY and cfg.get("mma_type") != "wgmma") or \
+                (key in WARP_SPEC_ONLY and not cfg.get("use_warp_spec")):
+            continue
+        out += [{**cfg, key: v} for v in values if cfg.get(key) != v]
+    return out
+
+
+def combine(cfg: dict, timed: Iterable[tuple[float, dict]], base_us: float) -> dict | None:
+    """Stage 3 of the wide search: ``cfg`` with the change of every stage-2 variation of it that
+    ran faster than ``base_us`` (its own time), the fastest variation's value where two changed
+    the same field; ``None`` when fewer than two changes helped (stage 2 already timed that)."""
+    merged, changed = dict(cfg), set()
+    for us, var in sorted(timed, key=lambda t: t[0]):
+        diff = {k: v for k, v in var.items() if cfg.get(k) != v}
+        if us >= base_us or not diff or set(diff) & changed:
+            continue
+        merged.update(diff)
+        changed |= set(diff)
+    return merged if len(changed) >= 2 else None
+
+
+def _tile(cfg: dict) -> tuple:  # what stage 1 varies
+    return cfg.get("mma_type"), tuple(cfg["block_shape"]), tuple(cfg["warp_shape"])
+
+
+def humming_legal(lc) -> Callable[[dict], bool]:
+    """humming's own checks of a tuning config for the layer config ``lc`` (MMA kind, geometry,
+    registers, shared memory; from its test sampler, ``humming.testing.tuning``); where they
+    cannot run (another humming version), every config passes and the compiler decides."""
+    try:
+        import dataclasses
+
+        from humming.config import ComputeConfig, MmaType, TuningConfig
+        from humming.device import current_device
+        from humming.testing import tuning as ht
+
+        defaults = {f.name: f.default for f in dataclasses.fields(TuningConfig)
+                    if f.default is not dataclasses.MISSING}
+        cc = ComputeConfig(gemm_type="dense")
+        sms = current_device.sm_count
+    except Exception:  # noqa: BLE001 - no checks to run
+        return lambda cfg: True
+
+    def legal(cfg: dict) -> bool:
+        full = {**defaults, "num_sms": sms, "use_f16_accum": False, **cfg}
+        for f in ht.TMA_FIELDS:
+            if full.get(f) is None:
+                full[f] = bool(full.get("use_tma"))
+        try:
+            mt = MmaType(full["mma_type"])
+            return bool(ht._is_legal_mma_type(lc, cc, mt)
+                        and ht._is_legal_geometry(lc, tuple(full["block_shape"]),
+                                                  tuple(full["warp_shape"]), mt)
+                        and ht._try_combine_candidate(lc, cc, ((full, {}),)) is not None)
+        except Exception:  # noqa: BLE001 - a check that broke decides nothing
+            return True
+
+    return legal
 
 
 def compile_within(items: Iterable[str], compile_one: Callable[[str], bool], deadline: float,
@@ -88,81 +210,139 @@ def compile_within(items: Iterable[str], compile_one: Callable[[str], bool], dea
             if f.done() and not f.cancelled() and f.exception() is None and f.result()]
 
 
+class _Shape:
+    """One GEMM shape being tuned: its humming GEMM, the legality check, the deadline and the
+    compile results, which every row count shares (humming compiles a config once per shape)."""
+
+    def __init__(self, gemm, deadline: float, log) -> None:
+        from humming.kernel.humming import HummingKernel
+
+        self.gemm, self.deadline, self.log = gemm, deadline, log
+        self.lc = gemm.layer_config()
+        self.legal = humming_legal(self.lc)
+        self.compiled: dict[str, bool] = {}  # config string -> compiled (absent: not tried)
+        self.errors: list[str] = []
+        self._kernel = HummingKernel
+
+    def _compile_one(self, s: str) -> bool:
+        try:
+            self._kernel.prepare_kernels(self.lc.to_str(), None, s, device=self.gemm.device)
+            return True
+        except Exception as e:  # noqa: BLE001 - an illegal candidate
+            self.errors.append(f"{type(e).__name__}: {str(e)[:160]}")
+            self.compiled[s] = False
+            return False
+
+    def compile(self, strings: list[str], must: bool) -> None:
+        """Compile the ``strings`` not tried yet (``must``: whatever the deadline)."""
+        fresh = [s for s in strings if s not in self.compiled]
+        if fresh and (must or time.perf_counter() < self.deadline):
+            for s in compile_within(fresh, self._compile_one,
+                                    float("inf") if must else self.deadline):
+                self.compiled[s] = True
+
+
+def _tune_m(shape: _Shape, m: int, heur: dict, cached: dict | None, extra: list[dict],
+            search: str) -> dict[str, tuple[float, dict]]:
+    """Every candidate timed at ``m`` rows: ``{config string: (us, config)}`` (the searches of
+    the module docstring; candidates that fail to compile or disagree with the heuristic kernel's
+    output are left out)."""
+    from qerl.kernels.humming_gemm import config_string
+
+    gemm, log = shape.gemm, shape.log
+    x = torch.randn(m, gemm.k, device=gemm.device, dtype=gemm.dtype)
+    ref = gemm(x, tuning=config_string(heur))
+    timed: dict[str, tuple[float, dict]] = {}
+
+    def run(cands: list[dict], forced: list[dict] | tuple = (), stage: str = "") -> None:
+        """Compile (``forced``: whatever the deadline and humming's checks), check and time the
+        new ones, in one parallel batch."""
+        todo: dict[str, dict] = {}
+        for c in [*forced, *cands]:
+            s = config_string(c)
+            if s not in timed and shape.compiled.get(s) is not False \
+                    and (c in forced or shape.legal(c)):
+                todo.setdefault(s, c)
+        t0 = time.perf_counter()
+        shape.compile(list(todo), must=bool(forced))
+        ran = 0
+        for s, c in todo.items():
+            if not shape.compiled.get(s):
+                continue
+            try:
+                err = _rel(gemm(x, tuning=s), ref)
+                if not err < 2e-2:
+                    log(f"    M={m}: candidate rejected, rel err {err:.3g}: {s}")
+                    continue
+                timed[s] = (graph_us(lambda s=s: gemm(x, tuning=s)), c)
+                ran += 1
+            except Exception as e:  # noqa: BLE001 - illegal candidates are skipped
+                log(f"    M={m}: candidate failed: {type(e).__name__}: {str(e)[:120]}")
+        best = min((u for u, _ in timed.values()), default=float("nan"))
+        log(f"    M={m} {stage}: {ran} of {len(todo)} timed ({time.perf_counter() - t0:.1f}s);"
+            f" best so far {best:.1f} us")
+
+    run(neighbours(heur) + extra, forced=[heur] + ([cached] if cached else []), stage="near")
+    if search == "wide":
+        run(tile_candidates(heur, m), stage="tiles")
+        tops, seen = [], set()
+        for us, c in sorted(timed.values(), key=lambda t: t[0]):
+            if _tile(c) not in seen and len(tops) < TOP:
+                seen.add(_tile(c))
+                tops.append((us, c, around(c)))
+        run([v for _, _, vs in tops for v in vs], stage="around the fastest tiles")
+        run([c for us, top, vs in tops
+             if (c := combine(top, [timed[s] for s in map(config_string, vs) if s in timed], us))
+             is not None], stage="combined")
+    return timed
+
+
 def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
                dtype: torch.dtype = torch.bfloat16, log=print,
-               deadline: float = float("inf"), layout: str = "ct") -> dict:
+               deadline: float = float("inf"), layout: str = "ct",
+               search: str = "near") -> dict:
     """Tune one GEMM shape (in humming's ``layout`` of it) on the current GPU; returns
-    ``{M: {"config", "us", "heuristic_us"}}`` and writes the winners to :func:`cache_path`.
-    Candidates still compiling at ``deadline`` are left out (humming's heuristic choice is always
-    among the timed ones)."""
+    ``{M: {"config", "us", "heuristic_us", "cached_us", "timed"}}`` and writes the winners to
+    :func:`cache_path`. ``search``: ``near`` or ``wide`` (the module docstring). Candidates still
+    compiling at ``deadline`` are left out (humming's heuristic choice and the cached one are
+    always compiled and timed)."""
     from humming.config import ComputeConfig
-    from humming.kernel.humming import HummingKernel
     from humming.testing.tuning import sample_test_tuning_configs
     from humming.tune import get_heuristics_config
 
     from qerl.kernels.humming_gemm import HummingFp4, config_string
     from qerl.quant.formats import FORMATS
 
+    if search not in ("near", "wide"):
+        raise ValueError(f"search must be 'near' or 'wide', got {search!r}")
     dev = torch.device("cuda", torch.cuda.current_device())
     w = torch.randn(n, k, device=dev) * 0.02
     t = FORMATS[fmt].quantize(w)
     del w
     gemm = HummingFp4(fmt, [(t["weight_packed"], t["weight_scale"],
                              t.get("weight_global_scale"))], dtype=dtype, layout=layout)
-    lc = gemm.layer_config()
-    heur = {m: get_heuristics_config(lc, shape_m=m, device=dev) for m in ms}
-    cached = lookup(gemm.kind, n, k, dtype, dev)  # the configs tuned before compete too: no regression
-    cands = [c for h in heur.values() for c in neighbours(dict(h))]
-    cands += [cached[m] for m in ms if m in cached]
-    if samples:
-        cands += sample_test_tuning_configs(lc, ComputeConfig(gemm_type="dense"),
-                                            sample_size=samples)
-    unique = {config_string(c): c for c in cands}
-    t0 = time.perf_counter()
-
-    errors: list[str] = []
-
-    def compile_one(s: str) -> bool:
-        try:
-            HummingKernel.prepare_kernels(lc.to_str(), None, s, device=dev)
-            return True
-        except Exception as e:  # noqa: BLE001 - an illegal candidate
-            errors.append(f"{type(e).__name__}: {str(e)[:160]}")
-            return False
-
-    # humming's heuristic and the cached choice of every M first: compiled before any deadline
-    first = list(dict.fromkeys([config_string(heur[m]) for m in ms]
-                               + [config_string(cached[m]) for m in ms if m in cached]))
-    legal = compile_within(first, compile_one, float("inf")) + compile_within(
-        [s for s in unique if s not in first], compile_one, deadline)
-    log(f"  {gemm.kind} {n}x{k}: {len(legal)} of {len(unique)} candidates compiled in "
-        f"{time.perf_counter() - t0:.1f}s" + (f"; {len(errors)} failed, e.g. {errors[0]}" if errors else ""))
+    shape = _Shape(gemm, deadline, log)
+    cached = lookup(gemm.kind, n, k, dtype, dev)  # the configs tuned before compete too
+    extra = sample_test_tuning_configs(shape.lc, ComputeConfig(gemm_type="dense"),
+                                       sample_size=samples) if samples else []
     result = {}
     for m in ms:
-        x = torch.randn(m, k, device=dev, dtype=dtype)
-        ref = gemm(x, tuning=config_string(heur[m]))
-        timings = []
-        for s in legal:
-            try:
-                y = gemm(x, tuning=s)
-                err = _rel(y, ref)
-                if not err < 2e-2:
-                    log(f"    M={m}: candidate rejected, rel err {err:.3g}")
-                    continue
-                us = graph_us(lambda s=s, x=x: gemm(x, tuning=s))
-            except Exception as e:  # noqa: BLE001 - illegal candidates are skipped
-                log(f"    M={m}: candidate failed: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            timings.append((us, s))
-        timings.sort()
-        if not timings:
+        heur = dict(get_heuristics_config(shape.lc, shape_m=m, device=dev))
+        timed = _tune_m(shape, m, heur, cached.get(m), extra, search)
+        if not timed:
             log(f"    M={m}: no candidate ran; kept humming's heuristic")
             continue
-        h_us = next((u for u, s in timings if s == config_string(heur[m])), None)
-        best_us, best = timings[0]
-        result[m] = {"config": json.loads(best), "us": best_us, "heuristic_us": h_us}
-        log(f"    M={m}: best {best_us:.1f} us (heuristic {h_us if h_us is None else round(h_us, 1)}"
-            f" us) of {len(timings)}")
+        best_s, (best_us, _) = min(timed.items(), key=lambda kv: kv[1][0])
+        h_us = timed.get(config_string(heur), (None,))[0]
+        c_us = timed.get(config_string(cached[m]), (None,))[0] if m in cached else None
+        result[m] = {"config": json.loads(best_s), "us": best_us, "heuristic_us": h_us,
+                     "cached_us": c_us, "timed": len(timed)}
+        log(f"  {gemm.kind} {n}x{k} M={m}: best {best_us:.1f} us (heuristic "
+            f"{h_us if h_us is None else round(h_us, 1)}, tuned before "
+            f"{c_us if c_us is None else round(c_us, 1)} us) of {len(timed)}: {best_s}")
+    if shape.errors:
+        log(f"  {gemm.kind} {n}x{k}: {len(shape.errors)} candidates failed to compile, e.g. "
+            f"{shape.errors[0]}")
     if result:
         _store(cache_path(dev), _key(gemm.kind, n, k, dtype),
                {m: r["config"] for m, r in result.items()}, {"gpu": torch.cuda.get_device_name(dev)})
@@ -177,12 +357,17 @@ def main() -> None:  # pragma: no cover - GPU only
                     help="humming layouts to tune (ct: QuantLinear's; bf16_scales: the rollout "
                          "engine's default, nvfp4 only)")
     ap.add_argument("--ms", default="1,32,64,128")
+    ap.add_argument("--search", default="near", choices=("near", "wide"),
+                    help="near: the heuristic's neighbours; wide: also tiles, and the fastest "
+                         "tiles' variations (see the module docstring)")
     ap.add_argument("--samples", type=int, default=0, help="extra candidates from humming's sampler")
     ap.add_argument("--only", default=None,
                     help="tune only these layers of the models (of qkv,o,gate_up,down)")
     ap.add_argument("--budget-s", type=float, default=600.0,
                     help="stop after this long (shapes not started are skipped, candidates still "
                          "compiling are dropped)")
+    ap.add_argument("--shape-budget-s", type=float, default=float("inf"),
+                    help="at most this long for one shape and layout (within --budget-s)")
     ap.add_argument("--json", default=None, help="also write the timings here")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
@@ -199,10 +384,11 @@ def main() -> None:  # pragma: no cover - GPU only
                       flush=True)
                 continue
             res = tune_shape(fmt, n, k, ms, args.samples, log=lambda s: print(s, flush=True),
-                             deadline=t0 + args.budget_s, layout=layout)
-            report.append({"fmt": fmt, "layout": layout, "n": n, "k": k,
-                           **{str(m): {"us": r["us"], "heuristic_us": r["heuristic_us"]}
-                              for m, r in res.items()}})
+                             deadline=min(t0 + args.budget_s,
+                                          time.perf_counter() + args.shape_budget_s),
+                             layout=layout, search=args.search)
+            report.append({"fmt": fmt, "layout": layout, "n": n, "k": k, "search": args.search,
+                           **{str(m): r for m, r in res.items()}})
             if args.json:
                 Path(args.json).write_text(json.dumps({"cache": str(cache_path()),
                                                        "shapes": report}, indent=1))

@@ -12,6 +12,13 @@ launch time in the timing), and the fastest per M is kept; illegal candidates fa
 ``<kind>:<N>x<K>:<dtype>`` (kind: the format, ``nvfp4_bf16_scales`` for humming's layout of NVFP4
 with bf16 group scales); entries from another humming version are ignored.
 
+The package ships the files tuned on the GPUs this project measures on
+(``qerl/kernels/tuned/humming_tuning_<gpu>.json``, e.g. ``nvidia_h200``): :func:`lookup` reads
+this GPU's shipped file first and the user's file over it (a row count tuned in both: the user's
+config), so a fresh install runs the tuned kernels without running the tuner.
+``QERL_HUMMING_SHIPPED=0`` leaves the shipped files out (humming's heuristic where the user's file
+has nothing).
+
     python -m qerl.kernels.tune --models 7b,32b --formats nvfp4,mxfp4 --ms 1,32,64,128
 """
 
@@ -24,9 +31,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MODEL_SHAPES", "cache_path", "lookup", "model_gemm_shapes"]
+__all__ = ["MODEL_SHAPES", "cache_path", "lookup", "model_gemm_shapes", "shipped_path"]
 
 ENV_VAR = "QERL_HUMMING_TUNING"
+SHIPPED_ENV_VAR = "QERL_HUMMING_SHIPPED"
+SHIPPED_DIR = Path(__file__).parent / "tuned"
 
 # Qwen2.5 sizes: hidden, intermediate, attention heads, kv heads (head dim 128).
 MODEL_SHAPES = {"1.5b": (1536, 8960, 12, 2), "7b": (3584, 18944, 28, 4), "32b": (5120, 27648, 40, 8)}
@@ -45,12 +54,25 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
+def _gpu(device: torch.device | None) -> str:
+    return _slug(torch.cuda.get_device_name(device))
+
+
 def cache_path(device: torch.device | None = None) -> Path:
-    """The tuning file of this GPU (see the module docstring)."""
+    """The user's tuning file of this GPU (see the module docstring)."""
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR])
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qerl"
-    return root / f"humming_tuning_{_slug(torch.cuda.get_device_name(device))}.json"
+    return root / f"humming_tuning_{_gpu(device)}.json"
+
+
+def shipped_path(device: torch.device | None = None) -> Path | None:
+    """The tuning file this package ships for this GPU, or ``None`` (a CPU device, or
+    ``QERL_HUMMING_SHIPPED=0``); the file need not exist (a GPU nobody tuned on)."""
+    if os.environ.get(SHIPPED_ENV_VAR, "1") == "0" or \
+            (device is not None and torch.device(device).type != "cuda"):
+        return None
+    return SHIPPED_DIR / f"humming_tuning_{_gpu(device)}.json"
 
 
 def _key(kind: str, n: int, k: int, dtype: torch.dtype) -> str:
@@ -75,12 +97,18 @@ def _read(path: Path) -> dict:
 
 def lookup(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict[int, dict]:
     """Tuned ``{M: tuning config}`` for this GEMM (``kind``: its format, or format and layout as
-    ``HummingFp4.kind``) on this GPU (empty when never tuned)."""
-    path = str(cache_path(device))
-    if path not in _LOADED:
-        _LOADED[path] = _read(Path(path))
-    entry = _LOADED[path].get(_key(kind, n, k, dtype), {})
-    return {int(m): cfg for m, cfg in entry.items() if str(m).isdigit() and isinstance(cfg, dict)}
+    ``HummingFp4.kind``) on this GPU: the shipped file's, then the user's over them (empty when
+    neither has the GEMM)."""
+    out: dict[int, dict] = {}
+    for path in (shipped_path(device), cache_path(device)):
+        if path is None:
+            continue
+        if str(path) not in _LOADED:
+            _LOADED[str(path)] = _read(path)
+        entry = _LOADED[str(path)].get(_key(kind, n, k, dtype), {})
+        out.update({int(m): cfg for m, cfg in entry.items()
+                    if str(m).isdigit() and isinstance(cfg, dict)})
+    return out
 
 
 def _store(path: Path, key: str, best: dict[int, dict], meta: dict) -> None:
