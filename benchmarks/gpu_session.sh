@@ -75,7 +75,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout ${TUNE_TIMEOUT:-300} python3 -m qerl.kernels.tune --models ${TUNE_MODELS:-7b} --formats nvfp4 \
         --layouts bf16_scales --ms ${TUNE_MS:-1,64} ${TUNE_ONLY:+--only $TUNE_ONLY} --search wide \
         --shape-budget-s ${TUNE_SHAPE_S:-60} --budget-s $(( ${TUNE_TIMEOUT:-300} - 15 )) \
-        --json "$OUT/tune_wide_$(echo "${TUNE_MODELS:-7b}_${TUNE_MS:-1,64}" | tr , -).json" ;;
+        --json "$OUT/tune_wide_$(echo "${TUNE_MODELS:-7b}_${TUNE_MS:-1,64}_${TUNE_ONLY:-all}" | tr , -).json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)

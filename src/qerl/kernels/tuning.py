@@ -3,7 +3,8 @@ the tuner that fills it is :mod:`qerl.kernels.tune`.
 
 For one GEMM shape (format, N, K) and a few decode row counts M, the candidates are humming's
 heuristic choice at each M and its neighbours (pipeline stages, CTAs per SM, stream-K on/off,
-block N and K), optionally plus a sample from humming's own tuner space
+block N and K), with ``--search wide`` also tiles of both MMA kinds and the fastest tiles'
+variations (:mod:`qerl.kernels.tune`), optionally plus a sample from humming's own tuner space
 (``humming.testing.tuning.sample_test_tuning_configs``, ``--samples``; it costs one to two minutes
 of CPU per shape); they are compiled in parallel, each is checked against the heuristic kernel's
 output and timed with a cold L2 in a CUDA graph (:func:`qerl.kernels.tune.graph_us`: no CPU
