@@ -316,3 +316,10 @@ def test_wide_search_reaches_the_best_combination_and_drops_wrong_kernels(monkey
     assert config_string(HEUR_WGMMA) in timed  # the heuristic is always among the timed
     near = tune._tune_m(make_shape(), 4, dict(HEUR_WGMMA), None, [], "near")
     assert min(u for u, _ in near.values()) > best_us  # the near search alone cannot get there
+
+
+def test_tune_shape_refuses_an_unknown_search_before_any_work() -> None:
+    from qerl.kernels.tune import tune_shape
+
+    with pytest.raises(ValueError, match="search must be 'near' or 'wide', got 'widest'"):
+        tune_shape("nvfp4", 4608, 3584, [1], search="widest")  # no humming, no GPU needed

@@ -306,6 +306,8 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
     :func:`cache_path`. ``search``: ``near`` or ``wide`` (the module docstring). Candidates still
     compiling at ``deadline`` are left out (humming's heuristic choice and the cached one are
     always compiled and timed)."""
+    if search not in ("near", "wide"):  # before any import or GPU work
+        raise ValueError(f"search must be 'near' or 'wide', got {search!r}")
     from humming.config import ComputeConfig
     from humming.testing.tuning import sample_test_tuning_configs
     from humming.tune import get_heuristics_config
@@ -313,8 +315,6 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
     from qerl.kernels.humming_gemm import HummingFp4, config_string
     from qerl.quant.formats import FORMATS
 
-    if search not in ("near", "wide"):
-        raise ValueError(f"search must be 'near' or 'wide', got {search!r}")
     dev = torch.device("cuda", torch.cuda.current_device())
     w = torch.randn(n, k, device=dev) * 0.02
     t = FORMATS[fmt].quantize(w)
