@@ -88,7 +88,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     rollout7b64)
       timeout ${R64_TIMEOUT:-150} python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
         --columns ${COLS_7B64:-fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora} \
-        --json "$OUT/rollout_7b64${ROLLOUT_TAG:-}.json" ;;
+        --json "$OUT/rollout_7b64.json" ;;
     rollout7b1)
       timeout ${R1_TIMEOUT:-90} python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
         --columns ${COLS_7B1:-fast_bf16,fast_nvfp4,fast_nvfp4_lora} --json "$OUT/rollout_7b1.json" ;;
