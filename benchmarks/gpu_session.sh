@@ -71,11 +71,12 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout ${TUNE_TIMEOUT:-70} python3 -m qerl.kernels.tune --models ${TUNE_MODELS:-7b,32b} --formats nvfp4 \
         --layouts ${TUNE_LAYOUTS:-ct,bf16_scales} --ms ${TUNE_MS:-1,32,64} --budget-s $(( ${TUNE_TIMEOUT:-70} - 15 )) --json "$OUT/tune.json" ;;
     tunewide)  # the wide search (tiles, then variations of the fastest two) of TUNE_ONLY's layers (all
-      # four by default) of TUNE_MODELS at TUNE_MS, bf16-scale layout, at most TUNE_SHAPE_S seconds a shape
+      # four by default) of TUNE_MODELS at TUNE_MS, bf16-scale layout, at most TUNE_SHAPE_S seconds a shape;
+      # TUNE_SMS: for that many multiprocessors (the GEMM beside the fused LoRA: all but lora_sms, 8)
       timeout ${TUNE_TIMEOUT:-300} python3 -m qerl.kernels.tune --models ${TUNE_MODELS:-7b} --formats nvfp4 \
         --layouts bf16_scales --ms ${TUNE_MS:-1,64} ${TUNE_ONLY:+--only $TUNE_ONLY} --search wide \
-        --shape-budget-s ${TUNE_SHAPE_S:-60} --budget-s $(( ${TUNE_TIMEOUT:-300} - 15 )) \
-        --json "$OUT/tune_wide_$(echo "${TUNE_MODELS:-7b}_${TUNE_MS:-1,64}_${TUNE_ONLY:-all}" | tr , -).json" ;;
+        ${TUNE_SMS:+--sms $TUNE_SMS} --shape-budget-s ${TUNE_SHAPE_S:-60} --budget-s $(( ${TUNE_TIMEOUT:-300} - 15 )) \
+        --json "$OUT/tune_wide_$(echo "${TUNE_MODELS:-7b}_${TUNE_MS:-1,64}_${TUNE_ONLY:-all}${TUNE_SMS:+_sms$TUNE_SMS}" | tr , -).json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)

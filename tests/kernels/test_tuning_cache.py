@@ -42,6 +42,36 @@ def test_store_and_lookup_round_trip(tuning_file) -> None:
         1: {"block_shape": [8, 128, 128]}, 64: {"block_shape": [64, 128, 128]}}
 
 
+def test_configs_tuned_for_fewer_multiprocessors_replace_the_whole_gpu_ones(
+        tuning_file, tmp_path, monkeypatch) -> None:
+    """``"M@S"`` entries (``tune --sms S``) are what a GEMM limited to ``S`` multiprocessors gets,
+    from the shipped file or the user's; the whole-GPU lookup never sees them."""
+    key = tuning._key("nvfp4", 4608, 3584, torch.bfloat16)
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"humming": "9.9", "entries": {key: {
+        "1": {"s": "1"}, "1@124": {"s": "1@124"}, "64@100": {"s": "64@100"}, "x@1": {"bad": 1}}}}))
+    monkeypatch.setattr(tuning, "shipped_path", lambda device=None: shipped)
+    tuning._store(tuning_file, key, {64: {"u": "64"}, "32@124": {"u": "32@124"}}, {})
+    assert json.loads(tuning_file.read_text())["entries"][key] == {"64": {"u": "64"},
+                                                                   "32@124": {"u": "32@124"}}
+    dev = torch.device("cuda", 0)  # only names the files: nothing runs on it
+    monkeypatch.setattr(tuning, "cache_path", lambda device=None: tuning_file)
+    whole = tuning.lookup("nvfp4", 4608, 3584, torch.bfloat16, dev)
+    assert whole == {1: {"s": "1"}, 64: {"u": "64"}}
+    at124 = tuning.lookup("nvfp4", 4608, 3584, torch.bfloat16, dev, sms=124)
+    assert at124 == {1: {"s": "1@124"}, 32: {"u": "32@124"}, 64: {"u": "64"}}
+    # the shipped file's config for 100 multiprocessors beats the user's whole-GPU one
+    assert tuning.lookup("nvfp4", 4608, 3584, torch.bfloat16, dev, sms=100)[64] == {"s": "64@100"}
+    # HummingFp4 asks for the table of the multiprocessors it is given, once each
+    g = object.__new__(humming_gemm.HummingFp4)
+    g.kind, g.n, g.k, g.dtype, g.device = "nvfp4", 4608, 3584, torch.bfloat16, dev
+    g._tuned, g._tuning = {None: whole}, {}
+    assert json.loads(g.tuning_for(1)) == {"s": "1", "use_pdl": False}
+    assert json.loads(g.tuning_for(1, sms=124)) == {"s": "1@124", "use_pdl": False, "num_sms": 124}
+    assert json.loads(g.tuning_for(20, sms=124))["u"] == "32@124"
+    assert set(g._tuned) == {None, 124}
+
+
 def test_other_humming_version_or_bad_file_is_ignored(tuning_file, monkeypatch) -> None:
     tuning._store(tuning_file, tuning._key("nvfp4", 8, 16, torch.bfloat16), {4: {"a": 1}}, {})
     monkeypatch.setattr(tuning, "_humming_version", lambda: "10.0")
@@ -70,7 +100,7 @@ def test_config_string_is_canonical_json() -> None:
 def test_tuned_interval_choice() -> None:
     """Tuned M values cover (previous tuned M, M]; the row counts a tuned entry serves."""
     g = object.__new__(humming_gemm.HummingFp4)
-    g._tuned = {1: {"t": 1}, 64: {"t": 64}}
+    g._tuned = {None: {1: {"t": 1}, 64: {"t": 64}}}
     g._tuning = {}
     assert json.loads(g.tuning_for(1)) == {"t": 1, "use_pdl": False}
     assert json.loads(g.tuning_for(2)) == {"t": 64, "use_pdl": False}
@@ -81,15 +111,15 @@ def test_tuning_sets_use_pdl_per_call_and_keeps_the_tuned_entry() -> None:
     """PDL is part of the kernel humming compiles: each (M, pdl) gets its own config string,
     the tuned entry itself unchanged (a tuned entry that says ``use_pdl`` is overridden)."""
     g = object.__new__(humming_gemm.HummingFp4)
-    g._tuned = {64: {"t": 64, "use_pdl": False}}
+    g._tuned = {None: {64: {"t": 64, "use_pdl": False}}}
     g._tuning = {}
     on, off = json.loads(g.tuning_for(8, pdl=True)), json.loads(g.tuning_for(8))
     assert on == {"t": 64, "use_pdl": True} and off == {"t": 64, "use_pdl": False}
-    assert g._tuned[64] == {"t": 64, "use_pdl": False}
+    assert g._tuned[None][64] == {"t": 64, "use_pdl": False}
     assert set(g._tuning) == {(8, True, None), (8, False, None)}
     assert "num_sms" not in on  # no ``sms``: humming's grid as tuned (all multiprocessors)
     # a smaller persistent grid: at most ``sms`` multiprocessors, never more than tuned
-    g._tuned = {64: {"t": 64}, 128: {"t": 128, "num_sms": 100}}
+    g._tuned = {s: {64: {"t": 64}, 128: {"t": 128, "num_sms": 100}} for s in (None, 124, 96)}
     assert json.loads(g.tuning_for(60, sms=124))["num_sms"] == 124
     assert json.loads(g.tuning_for(100, sms=124))["num_sms"] == 100
     assert json.loads(g.tuning_for(100, sms=96))["num_sms"] == 96
@@ -194,7 +224,9 @@ def test_shipped_files_match_the_pinned_humming_and_cover_the_decode_shapes() ->
             for _, n, k in tuning.model_gemm_shapes(model):
                 entry = data["entries"][tuning._key("nvfp4_bf16_scales", n, k, torch.bfloat16)]
                 assert rows <= set(entry), (f.name, n, k)
-                for cfg in entry.values():
+                for row, cfg in entry.items():
+                    m, sms = tuning._row_key(row)  # "M", or "M@S" tuned on S multiprocessors
+                    assert m >= 1 and cfg.get("num_sms") == sms, (f.name, n, k, row)
                     assert cfg["mma_type"] in ("mma", "wgmma")
                     bs, ws = cfg["block_shape"], cfg["warp_shape"]
                     assert len(bs) == len(ws) == 3 and all(b % w == 0 for b, w in zip(bs, ws, strict=True))
@@ -213,13 +245,13 @@ HEUR_MMA = {"block_shape": [8, 128, 128], "warp_shape": [8, 64, 32], "mma_type":
 @pytest.mark.parametrize(("m", "tile"), [(1, 8), (8, 8), (9, 16), (32, 32), (33, 64), (64, 64),
                                          (100, 128)])
 def test_m_tile_is_the_smallest_power_of_two_holding_m(m, tile) -> None:
-    from qerl.kernels.tune import m_tile
+    from qerl.kernels.tune_space import m_tile
 
     assert m_tile(m) == tile
 
 
 def test_tile_candidates_cover_both_mma_kinds_with_their_transfers() -> None:
-    from qerl.kernels.tune import BLOCK_K, BLOCK_N, WGMMA_ONLY, tile_candidates
+    from qerl.kernels.tune_space import BLOCK_K, BLOCK_N, WGMMA_ONLY, tile_candidates
 
     cands = tile_candidates(HEUR_WGMMA, 32)
     assert len(cands) == 2 * len(BLOCK_N) * len(BLOCK_K)
@@ -235,7 +267,7 @@ def test_tile_candidates_cover_both_mma_kinds_with_their_transfers() -> None:
 
 
 def test_around_changes_one_field_and_only_applicable_ones() -> None:
-    from qerl.kernels.tune import AROUND, WARP_SPEC_ONLY, WGMMA_ONLY, around
+    from qerl.kernels.tune_space import AROUND, WARP_SPEC_ONLY, WGMMA_ONLY, around
 
     for base in (HEUR_WGMMA, HEUR_MMA):
         vs = around(base)
@@ -255,7 +287,7 @@ def test_around_changes_one_field_and_only_applicable_ones() -> None:
 
 
 def test_combine_takes_every_change_that_helped() -> None:
-    from qerl.kernels.tune import combine
+    from qerl.kernels.tune_space import combine
 
     base = dict(HEUR_WGMMA)
     timed = [(9.0, {**base, "num_stages": 6}), (8.0, {**base, "num_stages": 8}),  # same field
@@ -316,6 +348,11 @@ def test_wide_search_reaches_the_best_combination_and_drops_wrong_kernels(monkey
     assert config_string(HEUR_WGMMA) in timed  # the heuristic is always among the timed
     near = tune._tune_m(make_shape(), 4, dict(HEUR_WGMMA), None, [], "near")
     assert min(u for u, _ in near.values()) > best_us  # the near search alone cannot get there
+    # tuned for the multiprocessors left beside the LoRA: every candidate runs on at most that many
+    compiled_strings.clear()
+    at = tune._tune_m(make_shape(), 4, dict(HEUR_WGMMA), None, [], "wide", sms=124)
+    assert compiled_strings and all(json.loads(s)["num_sms"] == 124 for s in compiled_strings)
+    assert all(c["num_sms"] == 124 for _, c in at.values()) and min(u for u, _ in at.values()) == best_us
 
 
 def test_tune_shape_refuses_an_unknown_search_before_any_work() -> None:
@@ -323,3 +360,6 @@ def test_tune_shape_refuses_an_unknown_search_before_any_work() -> None:
 
     with pytest.raises(ValueError, match="search must be 'near' or 'wide', got 'widest'"):
         tune_shape("nvfp4", 4608, 3584, [1], search="widest")  # no humming, no GPU needed
+    for bad in (0, -8, 12.5):
+        with pytest.raises(ValueError, match="sms must be a positive number of multiprocessors"):
+            tune_shape("nvfp4", 4608, 3584, [1], search="wide", sms=bad)

@@ -127,7 +127,7 @@ class HummingFp4:
                                   bias is not None, dtype, self.device)
         from qerl.kernels import tuning
 
-        self._tuned = tuning.lookup(self.kind, self.n, self.k, dtype, self.device)
+        self._tuned = {None: tuning.lookup(self.kind, self.n, self.k, dtype, self.device)}
         self._tuning: dict[int, str] = {}
 
     def _col_scale(self, members) -> torch.Tensor:
@@ -147,13 +147,20 @@ class HummingFp4:
         choice for ``m``; with ``use_pdl`` set to ``pdl`` (programmatic dependent launch: the
         kernel may start while the one before it runs, and waits for it before its first load);
         ``sms``: at most that many multiprocessors (humming's ``num_sms``, a launch parameter:
-        the same compiled kernel on a smaller persistent grid). One config per ``(m, pdl,
-        sms)``, so only kernels that run get compiled."""
+        the same compiled kernel on a smaller persistent grid; the configs tuned for that many,
+        where the tuning files have them). One config per ``(m, pdl, sms)``, so only kernels
+        that run get compiled."""
         hit = self._tuning.get((m, pdl, sms))
         if hit is None:
-            tuned = [t for t in sorted(self._tuned) if t >= m]
+            if sms not in self._tuned:
+                from qerl.kernels import tuning
+
+                self._tuned[sms] = tuning.lookup(self.kind, self.n, self.k, self.dtype,
+                                                 self.device, sms=sms)
+            table = self._tuned[sms]
+            tuned = [t for t in sorted(table) if t >= m]
             if tuned:
-                cfg = self._tuned[tuned[0]]
+                cfg = table[tuned[0]]
             else:
                 from humming.tune import get_heuristics_config
 
@@ -207,15 +214,16 @@ def _build_layer(tensors: dict[str, torch.Tensor], n: int, k: int, weight_config
         return layer
 
 
-def precompile(jobs: Sequence[tuple[HummingFp4, int, bool]], workers: int = 16) -> None:
-    """Compile the kernels that ``(gemm, rows, pdl)`` triples will launch, in parallel threads
-    (humming compiles with NVRTC / nvcc, outside the GIL); kernels already compiled are skipped."""
+def precompile(jobs: Sequence[tuple[HummingFp4, int, bool, int | None]], workers: int = 16) -> None:
+    """Compile the kernels that ``(gemm, rows, pdl, sms)`` calls will launch (see
+    :meth:`HummingFp4.tuning_for`), in parallel threads (humming compiles with NVRTC / nvcc,
+    outside the GIL); kernels already compiled are skipped."""
     from concurrent.futures import ThreadPoolExecutor
 
     from humming.kernel.humming import HummingKernel
 
-    todo = {(g.layer_config().to_str(), g.tuning_for(m, p), g.device.index or 0): None
-            for g, m, p in jobs if m > 0}
+    todo = {(g.layer_config().to_str(), g.tuning_for(m, p, s), g.device.index or 0): None
+            for g, m, p, s in jobs if m > 0}
 
     def compile_one(key):
         layer, tuning, dev = key

@@ -29,19 +29,13 @@ from pathlib import Path
 
 import torch
 
+from qerl.kernels.tune_space import TOP, _tile, around, combine, neighbours, tile_candidates
 from qerl.kernels.tuning import _key, _store, cache_path, lookup, model_gemm_shapes
-
-BLOCK_N, BLOCK_K = (64, 128, 256, 512), (32, 64, 128, 256)  # the wide search's tiles
-AROUND = {"num_stages": (3, 4, 6, 8), "num_ctas_per_sm": (1, 2, 3, 4),
-          "use_stream_k": (True, False), "wgmma_split_issue_wait": (True,),
-          "evict_weights_first": (True,), "producer_registers": (40,), "multi_cast_size_a": (2,)}
-WGMMA_ONLY = ("wgmma_split_issue_wait", "wgmma_use_late_as", "use_f16_accum")
-WARP_SPEC_ONLY = ("producer_registers", "multi_cast_size_a")
-TOP = 2
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
 
 def graph_us(fn: Callable[[], object], reps: int = 10, flush_bytes: int = 128 << 20,
              trials: int = 5) -> float:
@@ -77,87 +71,6 @@ def graph_us(fn: Callable[[], object], reps: int = 10, flush_bytes: int = 128 <<
         return sorted(times)[len(times) // 2]
 
     return max(0.0, (timed(True) - timed(False)) / reps)
-
-
-def neighbours(cfg: dict) -> list[dict]:
-    """``cfg`` and its one-step variations (the near search's candidates around a heuristic
-    choice)."""
-    out = [cfg]
-    for key, values in (("num_stages", (3, 4, 6)), ("num_ctas_per_sm", (1, 2)),
-                        ("use_stream_k", (True, False))):
-        out += [{**cfg, key: v} for v in values if cfg.get(key) != v]
-    bs, ws = list(cfg["block_shape"]), list(cfg["warp_shape"])
-    out += [{**cfg, "block_shape": [bs[0], bn, bs[2]]} for bn in (128, 256) if bn != bs[1]]
-    out += [{**cfg, "block_shape": [bs[0], bs[1], bk],
-             "warp_shape": [ws[0], ws[1], bk] if ws[2] == bs[2] else ws}
-            for bk in (64, 128) if bk != bs[2]]
-    return out
-
-
-def m_tile(m: int) -> int:
-    """The smallest M tile that holds ``m`` rows: a power of two, at least 8."""
-    return max(8, 1 << (max(1, m) - 1).bit_length())
-
-
-def _kind(cfg: dict, mma: str) -> dict:
-    """``cfg`` as MMA kind ``mma``: ``wgmma`` with TMA and a producer warp group, ``mma`` with
-    neither and without the wgmma-only and warp-specialisation-only fields."""
-    wg = mma == "wgmma"
-    drop = set(WARP_SPEC_ONLY) | (set() if wg else set(WGMMA_ONLY))
-    return {**{k: v for k, v in cfg.items() if k not in drop}, "mma_type": mma, "use_tma": wg,
-            "use_warp_spec": wg}
-
-
-def tile_candidates(base: dict, m: int) -> list[dict]:
-    """Stage 1 of the wide search: ``base`` (a heuristic choice) with every MMA kind, block N and
-    block K; the M tile holds ``m`` rows; warps as humming lays them out (``mma``: 64 columns and
-    32 K a warp; ``wgmma``: 32 columns and up to 64 K a warp)."""
-    bm = m_tile(m)
-    out = []
-    for mma in ("mma", "wgmma"):
-        wn, wk = (32, 64) if mma == "wgmma" else (64, 32)
-        for bn in BLOCK_N:
-            for bk in BLOCK_K:
-                out.append({**_kind(base, mma), "block_shape": [bm, bn, bk],
-                            "warp_shape": [bm, wn, min(bk, wk)]})
-    return out
-
-
-def around(cfg: dict) -> list[dict]:
-    """Stage 2 of the wide search: ``cfg``'s one-step variations -- warp N (32, 64), two warps
-    along M or one, warp K (32, 64, 128; the block K is kept), and each value of :data:`AROUND`
-    that applies to its MMA kind (``wgmma_*``: wgmma; producer registers and multicast: with a
-    producer warp group)."""
-    bm, _, bk = cfg["block_shape"]
-    wm, wn, wk = cfg["warp_shape"]
-    warps = {(wm, v, wk) for v in (32, 64)} | {(wm, wn, v) for v in (32, 64, 128) if v <= bk}
-    if bm >= 16:
-        warps.add((bm // 2 if wm == bm else bm, wn, wk))
-    out = [{**cfg, "warp_shape": list(w)} for w in sorted(warps) if w != (wm, wn, wk)]
-    for key, values in AROUND.items():
-        if (key in WGMMA_ONLY and cfg.get("mma_type") != "wgmma") or \
-                (key in WARP_SPEC_ONLY and not cfg.get("use_warp_spec")):
-            continue
-        out += [{**cfg, key: v} for v in values if cfg.get(key) != v]
-    return out
-
-
-def combine(cfg: dict, timed: Iterable[tuple[float, dict]], base_us: float) -> dict | None:
-    """Stage 3 of the wide search: ``cfg`` with the change of every stage-2 variation of it that
-    ran faster than ``base_us`` (its own time), the fastest variation's value where two changed
-    the same field; ``None`` when fewer than two changes helped (stage 2 already timed that)."""
-    merged, changed = dict(cfg), set()
-    for us, var in sorted(timed, key=lambda t: t[0]):
-        diff = {k: v for k, v in var.items() if cfg.get(k) != v}
-        if us >= base_us or not diff or set(diff) & changed:
-            continue
-        merged.update(diff)
-        changed |= set(diff)
-    return merged if len(changed) >= 2 else None
-
-
-def _tile(cfg: dict) -> tuple:  # what stage 1 varies
-    return cfg.get("mma_type"), tuple(cfg["block_shape"]), tuple(cfg["warp_shape"])
 
 
 def humming_legal(lc) -> Callable[[dict], bool]:
@@ -243,10 +156,10 @@ class _Shape:
 
 
 def _tune_m(shape: _Shape, m: int, heur: dict, cached: dict | None, extra: list[dict],
-            search: str) -> dict[str, tuple[float, dict]]:
+            search: str, sms: int | None = None) -> dict[str, tuple[float, dict]]:
     """Every candidate timed at ``m`` rows: ``{config string: (us, config)}`` (the searches of
     the module docstring; candidates that fail to compile or disagree with the heuristic kernel's
-    output are left out)."""
+    output are left out); ``sms``: every candidate on at most that many multiprocessors."""
     from qerl.kernels.humming_gemm import config_string
 
     gemm, log = shape.gemm, shape.log
@@ -254,14 +167,18 @@ def _tune_m(shape: _Shape, m: int, heur: dict, cached: dict | None, extra: list[
     ref = gemm(x, tuning=config_string(heur))
     timed: dict[str, tuple[float, dict]] = {}
 
+    def on(c: dict) -> dict:  # the candidate on at most ``sms`` multiprocessors
+        return {**c, "num_sms": sms} if sms else c
+
     def run(cands: list[dict], forced: list[dict] | tuple = (), stage: str = "") -> None:
         """Compile (``forced``: whatever the deadline and humming's checks), check and time the
         new ones, in one parallel batch."""
         todo: dict[str, dict] = {}
-        for c in [*forced, *cands]:
+        must = {config_string(on(c)) for c in forced}
+        for c in map(on, [*forced, *cands]):
             s = config_string(c)
             if s not in timed and shape.compiled.get(s) is not False \
-                    and (c in forced or shape.legal(c)):
+                    and (s in must or shape.legal(c)):
                 todo.setdefault(s, c)
         t0 = time.perf_counter()
         shape.compile(list(todo), must=bool(forced))
@@ -300,14 +217,17 @@ def _tune_m(shape: _Shape, m: int, heur: dict, cached: dict | None, extra: list[
 def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
                dtype: torch.dtype = torch.bfloat16, log=print,
                deadline: float = float("inf"), layout: str = "ct",
-               search: str = "near") -> dict:
+               search: str = "near", sms: int | None = None) -> dict:
     """Tune one GEMM shape (in humming's ``layout`` of it) on the current GPU; returns
     ``{M: {"config", "us", "heuristic_us", "cached_us", "timed"}}`` and writes the winners to
-    :func:`cache_path`. ``search``: ``near`` or ``wide`` (the module docstring). Candidates still
+    :func:`cache_path` (as ``"M@sms"`` with ``sms``: every candidate on at most that many
+    multiprocessors). ``search``: ``near`` or ``wide`` (the module docstring). Candidates still
     compiling at ``deadline`` are left out (humming's heuristic choice and the cached one are
     always compiled and timed)."""
     if search not in ("near", "wide"):  # before any import or GPU work
         raise ValueError(f"search must be 'near' or 'wide', got {search!r}")
+    if sms is not None and not (isinstance(sms, int) and sms > 0):
+        raise ValueError(f"sms must be a positive number of multiprocessors, got {sms!r}")
     from humming.config import ComputeConfig
     from humming.testing.tuning import sample_test_tuning_configs
     from humming.tune import get_heuristics_config
@@ -322,13 +242,13 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
     gemm = HummingFp4(fmt, [(t["weight_packed"], t["weight_scale"],
                              t.get("weight_global_scale"))], dtype=dtype, layout=layout)
     shape = _Shape(gemm, deadline, log)
-    cached = lookup(gemm.kind, n, k, dtype, dev)  # the configs tuned before compete too
+    cached = lookup(gemm.kind, n, k, dtype, dev, sms)  # the configs tuned before compete too
     extra = sample_test_tuning_configs(shape.lc, ComputeConfig(gemm_type="dense"),
                                        sample_size=samples) if samples else []
     result = {}
     for m in ms:
         heur = dict(get_heuristics_config(shape.lc, shape_m=m, device=dev))
-        timed = _tune_m(shape, m, heur, cached.get(m), extra, search)
+        timed = _tune_m(shape, m, heur, cached.get(m), extra, search, sms)
         if not timed:
             log(f"    M={m}: no candidate ran; kept humming's heuristic")
             continue
@@ -345,7 +265,8 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
             f"{shape.errors[0]}")
     if result:
         _store(cache_path(dev), _key(gemm.kind, n, k, dtype),
-               {m: r["config"] for m, r in result.items()}, {"gpu": torch.cuda.get_device_name(dev)})
+               {f"{m}@{sms}" if sms else m: r["config"] for m, r in result.items()},
+               {"gpu": torch.cuda.get_device_name(dev)})
     return result
 
 
@@ -368,6 +289,8 @@ def main() -> None:  # pragma: no cover - GPU only
                          "compiling are dropped)")
     ap.add_argument("--shape-budget-s", type=float, default=float("inf"),
                     help="at most this long for one shape and layout (within --budget-s)")
+    ap.add_argument("--sms", type=int, default=None, help="tune for at most this many multi"
+                    "processors (the GEMM beside the rollout's fused LoRA: all but lora_sms)")
     ap.add_argument("--json", default=None, help="also write the timings here")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
@@ -386,8 +309,9 @@ def main() -> None:  # pragma: no cover - GPU only
             res = tune_shape(fmt, n, k, ms, args.samples, log=lambda s: print(s, flush=True),
                              deadline=min(t0 + args.budget_s,
                                           time.perf_counter() + args.shape_budget_s),
-                             layout=layout, search=args.search)
+                             layout=layout, search=args.search, sms=args.sms)
             report.append({"fmt": fmt, "layout": layout, "n": n, "k": k, "search": args.search,
+                           "sms": args.sms,
                            **{str(m): r for m, r in res.items()}})
             if args.json:
                 Path(args.json).write_text(json.dumps({"cache": str(cache_path()),

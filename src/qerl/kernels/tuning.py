@@ -11,7 +11,10 @@ output and timed with a cold L2 in a CUDA graph (:func:`qerl.kernels.tune.graph_
 launch time in the timing), and the fastest per M is kept; illegal candidates fail to compile and are skipped. Results go to one JSON file per GPU (``$QERL_HUMMING_TUNING``, else
 ``$XDG_CACHE_HOME/qerl/humming_tuning_<gpu>.json``, ``~/.cache`` by default), keyed by
 ``<kind>:<N>x<K>:<dtype>`` (kind: the format, ``nvfp4_bf16_scales`` for humming's layout of NVFP4
-with bf16 group scales); entries from another humming version are ignored.
+with bf16 group scales); entries from another humming version are ignored. Under a key, a row
+count ``"M"`` holds the config for the whole GPU and ``"M@S"`` the one tuned for at most ``S``
+multiprocessors (``python -m qerl.kernels.tune --sms S``: what humming's GEMM gets while the
+rollout engine's fused LoRA runs beside it on the others, ``FastEngine(lora_sms=...)``).
 
 The package ships the files tuned on the GPUs this project measures on
 (``qerl/kernels/tuned/humming_tuning_<gpu>.json``, e.g. ``nvidia_h200``): :func:`lookup` reads
@@ -96,29 +99,41 @@ def _read(path: Path) -> dict:
     return data.get("entries", {}) if isinstance(data.get("entries"), dict) else {}
 
 
-def lookup(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict[int, dict]:
+def _row_key(key: str) -> tuple[int, int | None] | None:
+    """``"M"`` -> ``(M, None)``, ``"M@S"`` -> ``(M, S)``, anything else -> ``None``."""
+    m, _, sms = str(key).partition("@")
+    if not m.isdigit() or (sms and not sms.isdigit()):
+        return None
+    return int(m), int(sms) if sms else None
+
+
+def lookup(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device,
+           sms: int | None = None) -> dict[int, dict]:
     """Tuned ``{M: tuning config}`` for this GEMM (``kind``: its format, or format and layout as
     ``HummingFp4.kind``) on this GPU: the shipped file's, then the user's over them (empty when
-    neither has the GEMM)."""
+    neither has the GEMM). ``sms``: the GEMM gets at most that many multiprocessors; a row count
+    tuned for exactly that many (``"M@sms"``, in either file) replaces its whole-GPU config."""
     out: dict[int, dict] = {}
+    at_sms: dict[int, dict] = {}
     for path in (shipped_path(device), cache_path(device)):
         if path is None:
             continue
         if str(path) not in _LOADED:
             _LOADED[str(path)] = _read(path)
         entry = _LOADED[str(path)].get(_key(kind, n, k, dtype), {})
-        out.update({int(m): cfg for m, cfg in entry.items()
-                    if str(m).isdigit() and isinstance(cfg, dict)})
-    return out
+        rows = [(rk, cfg) for key, cfg in entry.items()
+                if (rk := _row_key(key)) is not None and isinstance(cfg, dict)]
+        out.update({m: cfg for (m, s), cfg in rows if s is None})
+        at_sms.update({m: cfg for (m, s), cfg in rows if sms and s == sms})
+    return {**out, **at_sms}
 
 
-def _store(path: Path, key: str, best: dict[int, dict], meta: dict) -> None:
-    """Write ``best`` (``{M: config}``) for ``key``; row counts tuned before and not in ``best``
-    are kept."""
+def _store(path: Path, key: str, best: dict[int | str, dict], meta: dict) -> None:
+    """Write ``best`` (``{M or "M@S": config}``) for ``key``; row counts tuned before and not in
+    ``best`` are kept."""
     entries = _read(path)
-    merged = {int(m): cfg for m, cfg in entries.get(key, {}).items() if str(m).isdigit()}
-    merged.update(best)
-    entries[key] = {str(m): cfg for m, cfg in sorted(merged.items())}
+    merged = {**entries.get(key, {}), **{str(m): cfg for m, cfg in best.items()}}
+    entries[key] = {m: cfg for m, cfg in merged.items() if _row_key(m) is not None}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"humming": _humming_version(), **meta, "entries": entries},

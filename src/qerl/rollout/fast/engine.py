@@ -230,7 +230,7 @@ class FastEngine:
         W = self.wave_rows(plan, N, cap, n)
         st = self._get_state(plan, W, cap, T, mode, backend, pdl)
         if gemms:  # compile the humming kernels of this call's row counts in parallel
-            precompile_groups(gemms, (W, -(-W // n) * P), decode_pdl=st.pdl)
+            precompile_groups(gemms, (W, -(-W // n) * P), decode_pdl=st.pdl, decode_sms=st.gemm_sms)
         ctx = TorchContext(gemms=gemms)
         rows_prompt = [i // n for i in range(N)]
         parts, stats = [], {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}

@@ -103,11 +103,14 @@ class GroupGemm:
 
 
 def precompile_groups(gemms: dict[int, GroupGemm], rows: tuple[int, ...],
-                      decode_pdl: bool = False) -> None:
+                      decode_pdl: bool = False, decode_sms: int | None = None) -> None:
     """Compile the humming kernels the groups will launch (in parallel): prefill's and decode's,
-    at ``rows = (decode rows, prefill rows)``; decode's with PDL when ``decode_pdl``."""
-    jobs = [(gm.humming, m, p) for gm in gemms.values()
-            for m, p in {(rows[0], decode_pdl), *((r, False) for r in rows[1:])}
+    at ``rows = (decode rows, prefill rows)``; decode's with PDL when ``decode_pdl``, and for the
+    groups with LoRA on at most ``decode_sms`` multiprocessors (the GEMM beside the fused LoRA,
+    :mod:`qerl.rollout.fast.decode`: its own tuned configs)."""
+    jobs = [(gm.humming, m, p, s) for gm in gemms.values()
+            for m, p, s in {(rows[0], decode_pdl, decode_sms if gm.group.r_total else None),
+                            *((r, False, None) for r in rows[1:])}
             if gm.uses_humming(m)]
     if jobs:
         from qerl.kernels.humming_gemm import precompile

@@ -1,0 +1,29 @@
+"""Which humming kernels the fast engine compiles before a rollout: decode's (with PDL, and for a
+group with LoRA on the multiprocessors the GEMM gets beside it) and prefill's, once each."""
+
+from __future__ import annotations
+
+import types
+
+from qerl.kernels import humming_gemm
+from qerl.rollout.fast.gemm import precompile_groups
+
+
+def _gemm(r_total: int, humming: str = "h", max_m: int = 10**9):
+    g = types.SimpleNamespace(group=types.SimpleNamespace(r_total=r_total), humming=humming)
+    g.uses_humming = lambda rows: rows <= max_m
+    return g
+
+
+def test_decode_kernels_of_lora_groups_are_the_beside_ones(monkeypatch) -> None:
+    jobs = []
+    monkeypatch.setattr(humming_gemm, "precompile", lambda j: jobs.extend(j))
+    gemms = {0: _gemm(96, "qkv"), 1: _gemm(0, "o"), 2: _gemm(64, "gate_up", max_m=64)}
+    precompile_groups(gemms, (64, 256), decode_pdl=True, decode_sms=124)
+    assert sorted(jobs) == sorted([("qkv", 64, True, 124), ("qkv", 256, False, None),
+                                   ("o", 64, True, None), ("o", 256, False, None),
+                                   ("gate_up", 64, True, 124)])  # 256 rows: not humming's
+    jobs.clear()
+    precompile_groups(gemms, (1, 1), decode_pdl=False)  # decode and prefill at one row: one job
+    assert sorted(jobs) == sorted([("qkv", 1, False, None), ("o", 1, False, None),
+                                   ("gate_up", 1, False, None)])
