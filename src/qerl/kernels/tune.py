@@ -168,7 +168,7 @@ def _tune_m(shape: _Shape, m: int, heur: dict, cached: dict | None, extra: list[
     timed: dict[str, tuple[float, dict]] = {}
 
     def on(c: dict) -> dict:  # the candidate on at most ``sms`` multiprocessors
-        return {**c, "num_sms": sms} if sms else c
+        return {**c, "num_sms": min(int(c.get("num_sms") or sms), sms)} if sms else c
 
     def run(cands: list[dict], forced: list[dict] | tuple = (), stage: str = "") -> None:
         """Compile (``forced``: whatever the deadline and humming's checks), check and time the
