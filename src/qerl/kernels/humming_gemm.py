@@ -34,7 +34,7 @@ import torch
 from qerl.quant.formats import FORMATS
 
 __all__ = ["LAYOUTS", "HummingFp4", "config_string", "humming_weight_config", "layout_applies",
-           "precompile"]
+           "on_sms", "precompile"]
 
 LAYOUTS = ("ct", "bf16_scales")
 
@@ -60,6 +60,12 @@ def config_string(cfg: dict) -> str:
         raise TypeError(f"not JSON-serialisable in a humming config: {v!r}")
 
     return json.dumps(cfg, sort_keys=True, default=plain)
+
+
+def on_sms(cfg: dict, sms: int | None) -> dict:
+    """``cfg`` on at most ``sms`` multiprocessors (humming's ``num_sms``; a config that already
+    asks for fewer keeps its smaller grid); ``cfg`` itself when ``sms`` is ``None``."""
+    return {**cfg, "num_sms": min(int(cfg.get("num_sms") or sms), int(sms))} if sms else cfg
 
 
 def humming_weight_config(fmt: str, layout: str = "ct") -> dict:
@@ -125,9 +131,7 @@ class HummingFp4:
             tensors["bias"] = bias.detach().to(dtype).contiguous()
         self.layer = _build_layer(tensors, self.n, self.k, humming_weight_config(fmt, layout),
                                   bias is not None, dtype, self.device)
-        from qerl.kernels import tuning
-
-        self._tuned = {None: tuning.lookup(self.kind, self.n, self.k, dtype, self.device)}
+        self._tuned: dict[int | None, dict[int, dict]] = {}  # per ``sms``: the tuned configs
         self._tuning: dict[int, str] = {}
 
     def _col_scale(self, members) -> torch.Tensor:
@@ -165,10 +169,7 @@ class HummingFp4:
                 from humming.tune import get_heuristics_config
 
                 cfg = get_heuristics_config(self.layer_config(), shape_m=m, device=self.device)
-            cfg = {**cfg, "use_pdl": bool(pdl)}
-            if sms:
-                cfg["num_sms"] = min(int(cfg.get("num_sms") or sms), int(sms))
-            hit = self._tuning[m, pdl, sms] = config_string(cfg)
+            hit = self._tuning[m, pdl, sms] = config_string(on_sms({**cfg, "use_pdl": bool(pdl)}, sms))
         return hit
 
     # -- running ------------------------------------------------------------------------------

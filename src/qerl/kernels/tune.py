@@ -160,22 +160,19 @@ def _tune_m(shape: _Shape, m: int, heur: dict, cached: dict | None, extra: list[
     """Every candidate timed at ``m`` rows: ``{config string: (us, config)}`` (the searches of
     the module docstring; candidates that fail to compile or disagree with the heuristic kernel's
     output are left out); ``sms``: every candidate on at most that many multiprocessors."""
-    from qerl.kernels.humming_gemm import config_string
+    from qerl.kernels.humming_gemm import config_string, on_sms
 
     gemm, log = shape.gemm, shape.log
     x = torch.randn(m, gemm.k, device=gemm.device, dtype=gemm.dtype)
     ref = gemm(x, tuning=config_string(heur))
     timed: dict[str, tuple[float, dict]] = {}
 
-    def on(c: dict) -> dict:  # the candidate on at most ``sms`` multiprocessors
-        return {**c, "num_sms": min(int(c.get("num_sms") or sms), sms)} if sms else c
-
     def run(cands: list[dict], forced: list[dict] | tuple = (), stage: str = "") -> None:
         """Compile (``forced``: whatever the deadline and humming's checks), check and time the
         new ones, in one parallel batch."""
         todo: dict[str, dict] = {}
-        must = {config_string(on(c)) for c in forced}
-        for c in map(on, [*forced, *cands]):
+        must = {config_string(on_sms(c, sms)) for c in forced}
+        for c in (on_sms(c, sms) for c in [*forced, *cands]):
             s = config_string(c)
             if s not in timed and shape.compiled.get(s) is not False \
                     and (s in must or shape.legal(c)):
@@ -232,7 +229,7 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
     from humming.testing.tuning import sample_test_tuning_configs
     from humming.tune import get_heuristics_config
 
-    from qerl.kernels.humming_gemm import HummingFp4, config_string
+    from qerl.kernels.humming_gemm import HummingFp4, config_string, on_sms
     from qerl.quant.formats import FORMATS
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -253,8 +250,8 @@ def tune_shape(fmt: str, n: int, k: int, ms: list[int], samples: int = 0,
             log(f"    M={m}: no candidate ran; kept humming's heuristic")
             continue
         best_s, (best_us, _) = min(timed.items(), key=lambda kv: kv[1][0])
-        h_us = timed.get(config_string(heur), (None,))[0]
-        c_us = timed.get(config_string(cached[m]), (None,))[0] if m in cached else None
+        h_us = timed.get(config_string(on_sms(heur, sms)), (None,))[0]
+        c_us = timed.get(config_string(on_sms(cached[m], sms)), (None,))[0] if m in cached else None
         result[m] = {"config": json.loads(best_s), "us": best_us, "heuristic_us": h_us,
                      "cached_us": c_us, "timed": len(timed)}
         log(f"  {gemm.kind} {n}x{k} M={m}: best {best_us:.1f} us (heuristic "
