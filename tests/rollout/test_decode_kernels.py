@@ -226,14 +226,18 @@ P = {"x_ptr": "*bf16", "sx": "i32", "u_ptr": "*fp32", "t_ptr": "*fp32", "p_ptr":
 def build(fn, **const):
     names = fn.arg_names
     sig = {a: ("constexpr" if a in const else P[a]) for a in names}
+    if const.get("KEY_BITS") == 32:  # float32 logits
+        sig["x_ptr"] = "*fp32"
     src = ASTSource(fn=fn, signature=sig, constexprs=const)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
     assert fn.__name__ in ptx, fn.__name__
-for mode in (0, 1, 2):
-    build(S._stats_kernel, MODE=mode, CHUNK=4096)
-    build(S._pick_kernel, MODE=mode, LEVELS=4, KEY_BITS=16, CHUNK=4096, CP2=64)
-for level in (0, 3):
-    build(S._nucleus_kernel, LEVEL=level, KEY_BITS=16, CHUNK=4096, CP2=64)
+for bits in (16, 32):
+    levels = bits // 4
+    for mode in (0, 1, 2):
+        build(S._stats_kernel, MODE=mode, KEY_BITS=bits, CHUNK=4096)
+        build(S._pick_kernel, MODE=mode, LEVELS=levels, KEY_BITS=bits, CHUNK=4096, CP2=64)
+    for level in (1, 2, levels - 1):
+        build(S._nucleus_kernel, LEVEL=level, KEY_BITS=bits, CHUNK=4096, CP2=64)
 print("compiled")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -102,15 +102,36 @@ if HAS_TRITON:
 
     @triton.jit
     def _logit_keys(x, KEY_BITS: tl.constexpr):
-        """Integer keys (int64) in the order of the logits ``x`` (as loaded: 16- or 32-bit floats),
-        from their bit patterns; -0 is keyed as +0, so equal logits get equal keys."""
+        """Integer keys in the order of the logits ``x`` (as loaded: 16- or 32-bit floats), from
+        their bit patterns (int32 for 16-bit logits: the search's thresholds fit; else int64); -0 is
+        keyed as +0, so equal logits get equal keys."""
         if KEY_BITS == 16:
             b = x.to(tl.int16, bitcast=True).to(tl.int32)
             key = tl.where(b < 0, b ^ 0x7FFF, b)
+            return tl.where(key == -1, 0, key)
         else:
             b = x.to(tl.int32, bitcast=True)
             key = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-        return tl.where(key == -1, 0, key).to(tl.int64)
+            return tl.where(key == -1, 0, key).to(tl.int64)
+
+    @triton.jit
+    def _key_start(KEY_BITS: tl.constexpr):
+        """The search's first lower bound: below every key (int32 for 16-bit logits, else int64)."""
+        if KEY_BITS == 16:
+            return tl.full([], -(2 ** 15) - 1, tl.int32)
+        else:
+            return tl.full([], -(2 ** 31) - 1, tl.int64)
+
+    @triton.jit
+    def _masses_above(key, e, lo, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr):
+        """``[16]``: the mass ``e`` of the keys above each threshold ``lo + k * step`` of LEVEL's
+        interval (k = 0 is ``lo`` itself; step = 16^(levels - LEVEL - 1))."""
+        step = tl.full([], 1, lo.dtype) << (KEY_BITS - 4 * (LEVEL + 1))
+        j = tl.arange(0, 16)
+        acc = tl.zeros((16,), tl.float32)
+        for k in tl.static_range(16):
+            acc = tl.where(j == k, tl.sum(tl.where(key > lo + k * step, e, 0.0), 0), acc)
+        return acc
 
     @triton.jit
     def _scaled(xr, t_ptr, MODE: tl.constexpr):
@@ -136,12 +157,14 @@ if HAS_TRITON:
         d = tl.where(live, mc - m, 0.0)
         scale = tl.where(live, tl.exp(d), 0.0)
         cm = sc * scale
-        return c, ok, cm, m, tl.sum(cm, 0), tl.sum((wc + sc * d) * scale, 0), nan
+        return c, ok, cm, m, tl.sum(cm, 0), tl.sum((wc + sc * d) * scale, 0), nan, scale
 
     @triton.jit
-    def _stats_kernel(x_ptr, sx, t_ptr, st_ptr, arg_ptr, V, C, MODE: tl.constexpr, CHUNK: tl.constexpr):
+    def _stats_kernel(x_ptr, sx, t_ptr, st_ptr, arg_ptr, part_ptr, V, C, MODE: tl.constexpr,
+                      KEY_BITS: tl.constexpr, CHUNK: tl.constexpr):
         """Program (row, chunk): the chunk's max, sum of exp, entropy sum and NaN flag (and, greedy,
-        its first arg-max: value and index)."""
+        its first arg-max: value and index; top-p, the nucleus search's first level, whose thresholds
+        do not depend on the row: the masses relative to the chunk's max)."""
         row, ch = tl.program_id(0), tl.program_id(1)
         offs = ch * CHUNK + tl.arange(0, CHUNK)
         xr = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=offs < V, other=float("-inf"))
@@ -159,24 +182,34 @@ if HAS_TRITON:
             first = tl.min(tl.where(z == mc, offs, 2147483647), 0)
             tl.store(arg_ptr + (row.to(tl.int64) * C + ch) * 2, mc)
             tl.store(arg_ptr + (row.to(tl.int64) * C + ch) * 2 + 1, first.to(tl.float32))
+        if MODE == 2:
+            acc = _masses_above(_logit_keys(xr, KEY_BITS), e, _key_start(KEY_BITS), 0, KEY_BITS)
+            tl.store(part_ptr + (row.to(tl.int64) * C + ch) * 16 + tl.arange(0, 16), acc)
 
     @triton.jit
-    def _level_lo(part_ptr, lo_ptr, row, B, C, target, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr,
-                  CP2: tl.constexpr):
+    def _level_lo(part_ptr, lo_ptr, row, B, C, target, scale, LEVEL: tl.constexpr,
+                  KEY_BITS: tl.constexpr, CP2: tl.constexpr):
         """The nucleus search's lower bound ``lo`` entering LEVEL (the kept keys are > lo; the answer
         lies in (lo, lo + 16^(levels - LEVEL)]), and which threshold of the previous level it is
-        (``j``), from that level's masses summed over the chunks."""
-        lo = tl.full([], -(2 ** (KEY_BITS - 1)) - 1, tl.int64)
+        (``j``), from that level's masses summed over the chunks (level 0's are relative to each
+        chunk's max: times ``scale [CP2]``, exp(chunk max - row max)). The level-0 bound is
+        :func:`_key_start`; the bound entering level 1 is not stored (it is level 0's threshold j)."""
+        lo = _key_start(KEY_BITS)
         jstar = tl.full([], 0, tl.int32)
         if LEVEL > 0:
             c = tl.arange(0, CP2)
             j = tl.arange(0, 16)
             prev = part_ptr + ((LEVEL - 1) * B + row).to(tl.int64) * C * 16
-            masses = tl.sum(tl.load(prev + c[:, None] * 16 + j[None, :], mask=(c < C)[:, None], other=0.0), 0)
+            chunk_masses = tl.load(prev + c[:, None] * 16 + j[None, :], mask=(c < C)[:, None], other=0.0)
+            if LEVEL == 1:
+                chunk_masses = chunk_masses * scale[:, None]
+            masses = tl.sum(chunk_masses, 0)
             # masses[k]: the mass above lo_prev + k * step, not increasing in k; the last one still >= target
             jstar = tl.sum(((masses >= target) & (j > 0)).to(tl.int32), 0)
-            step = tl.full([], 1, tl.int64) << (KEY_BITS - 4 * LEVEL)
-            lo = tl.load(lo_ptr + (LEVEL - 1) * B + row) + jstar.to(tl.int64) * step
+            step = tl.full([], 1, lo.dtype) << (KEY_BITS - 4 * LEVEL)
+            if LEVEL > 1:
+                lo = tl.load(lo_ptr + (LEVEL - 1) * B + row).to(lo.dtype)
+            lo = lo + jstar.to(lo.dtype) * step
         return lo, jstar
 
     @triton.jit
@@ -185,21 +218,16 @@ if HAS_TRITON:
         """Program (row, chunk), one level of the 16-ary search for the nucleus: the chunk's mass above
         each of 16 thresholds ``lo + k * step`` of the level's interval (k = 0 is ``lo`` itself)."""
         row, ch = tl.program_id(0), tl.program_id(1)
-        _, _, _, m, s, _, _ = _row_stats(st_ptr, row, C, CP2)
-        lo, _ = _level_lo(part_ptr, lo_ptr, row, B, C, tl.load(p_ptr) * s, LEVEL, KEY_BITS, CP2)
+        _, _, _, m, s, _, _, scale = _row_stats(st_ptr, row, C, CP2)
+        lo, _ = _level_lo(part_ptr, lo_ptr, row, B, C, tl.load(p_ptr) * s, scale, LEVEL, KEY_BITS, CP2)
         if ch == 0:
-            tl.store(lo_ptr + LEVEL * B + row, lo)
+            tl.store(lo_ptr + LEVEL * B + row, lo.to(tl.int64))
         offs = ch * CHUNK + tl.arange(0, CHUNK)
         xr = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=offs < V, other=float("-inf"))
         z = _scaled(xr, t_ptr, 1)
         e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
-        key = _logit_keys(xr, KEY_BITS)
-        step = tl.full([], 1, tl.int64) << (KEY_BITS - 4 * (LEVEL + 1))
-        j = tl.arange(0, 16)
-        acc = tl.zeros((16,), tl.float32)
-        for k in tl.static_range(16):
-            acc = tl.where(j == k, tl.sum(tl.where(key > lo + k * step, e, 0.0), 0), acc)
-        tl.store(part_ptr + ((LEVEL * B + row).to(tl.int64) * C + ch) * 16 + j, acc)
+        acc = _masses_above(_logit_keys(xr, KEY_BITS), e, lo, LEVEL, KEY_BITS)
+        tl.store(part_ptr + ((LEVEL * B + row).to(tl.int64) * C + ch) * 16 + tl.arange(0, 16), acc)
 
     @triton.jit
     def _pick_kernel(x_ptr, sx, u_ptr, t_ptr, p_ptr, st_ptr, arg_ptr, part_ptr, lo_ptr, tok_ptr, lp_ptr, ent_ptr,
@@ -208,7 +236,7 @@ if HAS_TRITON:
         """Program (row): the token (greedy: the first arg-max; else the inverse CDF in vocabulary
         order, first over the chunks' kept masses, then inside the chunk), its log-prob, the entropy."""
         row = tl.program_id(0)
-        c, ok, cm, m, s, w, nan = _row_stats(st_ptr, row, C, CP2)
+        c, ok, cm, m, s, w, nan, scale = _row_stats(st_ptr, row, C, CP2)
         if MODE == 0:
             arg = arg_ptr + row.to(tl.int64) * C * 2
             best = tl.load(arg + c * 2, mask=ok, other=float("-inf"))
@@ -216,9 +244,10 @@ if HAS_TRITON:
             tokf = tl.min(tl.where(best == tl.max(best, 0), idx, 3.0e38), 0)
             tok = tl.where(tokf < V, tokf, 0.0).to(tl.int32)  # (NaN logits: no arg-max)
         else:
-            lo = tl.full([], -(2 ** (KEY_BITS - 1)) - 1, tl.int64)
+            lo = _key_start(KEY_BITS)
             if MODE == 2:  # the last level's masses above the final lo, chunk by chunk
-                lo, jstar = _level_lo(part_ptr, lo_ptr, row, B, C, tl.load(p_ptr) * s, LEVELS, KEY_BITS, CP2)
+                lo, jstar = _level_lo(part_ptr, lo_ptr, row, B, C, tl.load(p_ptr) * s, scale, LEVELS,
+                                      KEY_BITS, CP2)
                 last = part_ptr + ((LEVELS - 1) * B + row).to(tl.int64) * C * 16
                 cm = tl.load(last + c * 16 + jstar, mask=ok, other=0.0)
             target = tl.load(u_ptr + row) * tl.sum(cm, 0)
@@ -259,10 +288,12 @@ def sample_kernel(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tens
     """:func:`sample_tokens` in Triton kernels over (row, vocabulary chunk) grids: ``(token [B] int64,
     log-prob [B], entropy [B])`` of ``logits [B, V]`` (16- or 32-bit floats).
 
-    One pass over the logits for each chunk's softmax statistics; for ``top_p``, ``key bits / 4``
-    more (4 for bf16/fp16, 8 for float32): a 16-ary search over the logits' order-preserving bit
-    keys for the smallest key whose strictly-greater mass is below ``top_p`` (the nucleus without
-    a sort), each pass giving every chunk's mass above 16 thresholds; then one program a row picks
+    One pass over the logits for each chunk's softmax statistics; for ``top_p``, a 16-ary search
+    over the logits' order-preserving bit keys for the smallest key whose strictly-greater mass is
+    below ``top_p`` (the nucleus without a sort), each level giving every chunk's mass above 16
+    thresholds: ``key bits / 4`` levels (4 for bf16/fp16, 8 for float32), the first in the
+    statistics pass (its thresholds are the same for every row), each other one a pass more (3 for
+    bf16/fp16, 7 for float32; int32 keys for 16-bit logits); then one program a row picks
     the chunk and reads only that chunk for the token. ``chunk``: logits a program reads (a power
     of two, at least 64)."""
     b, v = logits.shape
@@ -281,10 +312,10 @@ def sample_kernel(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tens
     lp = torch.empty(b, dtype=torch.float32, device=dev)
     ent = torch.empty_like(lp)
     sx = logits.stride(0)
-    _stats_kernel[(b, n_chunks)](logits, sx, temperature, st, arg, v, n_chunks, MODE=mode_id, CHUNK=chunk,
-                                 num_warps=8 if chunk >= 4096 else 4)
+    _stats_kernel[(b, n_chunks)](logits, sx, temperature, st, arg, part, v, n_chunks, MODE=mode_id,
+                                 KEY_BITS=key_bits, CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4)
     if mode_id == 2:
-        for level in range(levels):
+        for level in range(1, levels):
             _nucleus_kernel[(b, n_chunks)](logits, sx, temperature, top_p, st, part, lo, v, b, n_chunks,
                                            LEVEL=level, KEY_BITS=key_bits, CHUNK=chunk, CP2=cp2,
                                            num_warps=8 if chunk >= 4096 else 4)
