@@ -6,12 +6,13 @@ from __future__ import annotations
 import types
 
 from qerl.kernels import humming_gemm
-from qerl.rollout.fast.gemm import precompile_groups
+from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
 
 
 def _gemm(r_total: int, humming: str = "h", max_m: int = 10**9):
     g = types.SimpleNamespace(group=types.SimpleNamespace(r_total=r_total), humming=humming)
     g.uses_humming = lambda rows: rows <= max_m
+    g.beside_sms = types.MethodType(GroupGemm.beside_sms, g)  # the engine's rule, on the fake
     return g
 
 
@@ -27,3 +28,13 @@ def test_decode_kernels_of_lora_groups_are_the_beside_ones(monkeypatch) -> None:
     precompile_groups(gemms, (1, 1), decode_pdl=False)  # decode and prefill at one row: one job
     assert sorted(jobs) == sorted([("qkv", 1, False, None), ("o", 1, False, None),
                                    ("gate_up", 1, False, None)])
+
+
+def test_beside_sms_only_for_humming_groups_with_lora() -> None:
+    """The rule decode and precompile share: a GEMM runs beside its LoRA only where there is a
+    LoRA and the GEMM is humming's at that many rows."""
+    lora, plain = _gemm(32, max_m=64), _gemm(0)
+    assert GroupGemm.beside_sms(lora, 64, 124) == 124
+    assert GroupGemm.beside_sms(lora, 65, 124) is None  # cuBLAS at 65 rows: the LoRA goes first
+    assert GroupGemm.beside_sms(lora, 64, None) is None
+    assert GroupGemm.beside_sms(plain, 1, 124) is None

@@ -96,8 +96,9 @@ def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor
     fused LoRA launched beside it (on the others; :func:`qerl.rollout.fast.lora.fused_lora`).
     Other GEMMs (cuBLAS) do not let the next kernel start early: the LoRA goes first."""
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
-    if st.gemm_sms is not None and g.r_total and gemm is not None and gemm.uses_humming(rows):
-        raws = _raw(ctx, g, x, st.pdl, st.gemm_sms)
+    sms = gemm.beside_sms(rows, st.gemm_sms) if gemm is not None else None
+    if sms is not None:
+        raws = _raw(ctx, g, x, st.pdl, sms)
         lo = _lora(st, kind, g, x, beside=True)
     else:
         lo = _lora(st, kind, g, x)

@@ -58,6 +58,12 @@ class GroupGemm:
         return self.humming is not None and 0 < rows and (self.humming_only
                                                           or rows <= humming_max_m())
 
+    def beside_sms(self, rows: int, sms: int | None) -> int | None:
+        """The multiprocessors this group's GEMM runs on beside its fused LoRA in decode at
+        ``rows``: ``sms`` when the group has adapters and the GEMM is humming's (the one kind
+        that lets the LoRA start beside it), else ``None`` (the whole GPU, the LoRA first)."""
+        return sms if sms is not None and self.group.r_total and self.uses_humming(rows) else None
+
     def _impl(self) -> str:
         return "triton" if dequant.HAS_TRITON and self.backend != "torch" else "torch"
 
@@ -109,7 +115,7 @@ def precompile_groups(gemms: dict[int, GroupGemm], rows: tuple[int, ...],
     groups with LoRA on at most ``decode_sms`` multiprocessors (the GEMM beside the fused LoRA,
     :mod:`qerl.rollout.fast.decode`: its own tuned configs)."""
     jobs = [(gm.humming, m, p, s) for gm in gemms.values()
-            for m, p, s in {(rows[0], decode_pdl, decode_sms if gm.group.r_total else None),
+            for m, p, s in {(rows[0], decode_pdl, gm.beside_sms(rows[0], decode_sms)),
                             *((r, False, None) for r in rows[1:])}
             if gm.uses_humming(m)]
     if jobs:
