@@ -192,8 +192,9 @@ if HAS_TRITON:
         """The nucleus search's lower bound ``lo`` entering LEVEL (the kept keys are > lo; the answer
         lies in (lo, lo + 16^(levels - LEVEL)]), and which threshold of the previous level it is
         (``j``), from that level's masses summed over the chunks (level 0's are relative to each
-        chunk's max: times ``scale [CP2]``, exp(chunk max - row max)). The level-0 bound is
-        :func:`_key_start`; the bound entering level 1 is not stored (it is level 0's threshold j)."""
+        chunk's max: times ``scale [CP2]``, exp(chunk max - row max)). The bound entering level 0
+        is :func:`_key_start` and is never stored (``lo_ptr``'s first row stays unused); the one
+        entering each later level is stored in ``lo_ptr`` by that level's pass."""
         lo = _key_start(KEY_BITS)
         jstar = tl.full([], 0, tl.int32)
         if LEVEL > 0:
