@@ -33,11 +33,18 @@ from torch import nn
 from qerl.kernels.backend import resolve_backend
 from qerl.kernels.humming_gemm import LAYOUTS
 from qerl.rollout.base import RolloutBatch, SamplingParams
-from qerl.rollout.fast import decode, state
+from qerl.rollout.fast import decode, prefetch, state
 from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.lora import FUSED_MAX_M, MAX_ROWS, fused_lora_ok
-from qerl.rollout.fast.options import beside_gemm_sms, bool_or_none, choice, int_in, resolve_pdl
+from qerl.rollout.fast.options import (
+    beside_gemm_sms,
+    bool_or_none,
+    choice,
+    int_in,
+    resolve_pdl,
+    resolve_prefetch,
+)
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
 from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
@@ -91,6 +98,11 @@ class FastEngine:
             programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
             run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
             at 7B B=1).
+        l2_prefetch: pull small groups' 4-bit weights into L2 ahead of their decode GEMMs
+            (:mod:`qerl.rollout.fast.prefetch`): ``"off"``, ``"o"`` (each layer's o weights
+            during its attention) or ``"o+qkv"`` (and the next layer's q/k/v during the down
+            GEMM); any but ``"off"`` needs the ``triton`` backend on a compute capability 9.0
+            GPU. ``l2_prefetch_policy``: ``"normal"`` or ``"evict_last"`` for the prefetched lines.
     """
 
     name = "fast"
@@ -102,7 +114,8 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8, lora_end_wait: str = "one") -> None:
+                 lora_sms: int = 8, lora_end_wait: str = "one", l2_prefetch: str = "off",
+                 l2_prefetch_policy: str = "normal") -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -112,6 +125,8 @@ class FastEngine:
         bool_or_none("pdl", pdl)
         int_in("lora_sms", lora_sms, 64, lo=0)
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
+        choice("l2_prefetch", l2_prefetch, prefetch.MODES)
+        choice("l2_prefetch_policy", l2_prefetch_policy, prefetch.POLICIES)
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -130,6 +145,7 @@ class FastEngine:
         self.fused_lora_max_rows = fused_lora_max_rows
         self.humming_layout = humming_layout
         self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
+        self.l2_prefetch, self.l2_prefetch_policy = l2_prefetch, l2_prefetch_policy
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -211,6 +227,7 @@ class FastEngine:
         plan = self._get_plan(model)
         backend = self._backend_for(plan)
         pdl = resolve_pdl(self.pdl, plan.device) and backend == "triton"
+        pf_mode = resolve_prefetch(self.l2_prefetch, plan.device, backend)
         gemms = self._get_gemms(plan)
         refresh_lora(plan)
         n, n_prompts = sp.n, len(prompt_ids)
@@ -228,7 +245,7 @@ class FastEngine:
         else:
             u = torch.rand((T, N), device=dev)
         W = self.wave_rows(plan, N, cap, n)
-        st = self._get_state(plan, W, cap, T, mode, backend, pdl)
+        st = self._get_state(plan, W, cap, T, mode, backend, pdl, gemms, pf_mode)
         if gemms:  # compile the humming kernels of this call's row counts in parallel
             precompile_groups(gemms, (W, -(-W // n) * P), decode_pdl=st.pdl, decode_sms=st.gemm_sms)
         ctx = TorchContext(gemms=gemms)
@@ -258,7 +275,8 @@ class FastEngine:
                            "lora_kernel": "fused" if st.lora_fused is not None
                            else ("cublas" if st.lora_out else "none"),
                            "lora_stream": "side" if st.side is not None else "main",
-                           "pdl": st.pdl, "gemm_sms": st.gemm_sms}
+                           "pdl": st.pdl, "gemm_sms": st.gemm_sms,
+                           "l2_prefetch_gib": sum(p.nbytes for p in st.prefetch.values()) / GiB}
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
             completion_ids=cat[0], completion_mask=cat[1], logprobs=cat[2], truncated=~done,
@@ -332,10 +350,11 @@ class FastEngine:
     # -- state --------------------------------------------------------------------------------
 
     def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
-                   backend: str, pdl: bool) -> State:
+                   backend: str, pdl: bool, gemms: dict | None = None,
+                   pf_mode: str = "off") -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
-               pdl, self.lora_sms, self.lora_end_wait)
+               pdl, self.lora_sms, self.lora_end_wait, pf_mode, self.l2_prefetch_policy)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -352,6 +371,11 @@ class FastEngine:
         st.pdl = pdl
         st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
         st.lora_end_wait = self.lora_end_wait
+        if pf_mode != "off" and gemms:
+            l2 = torch.cuda.get_device_properties(plan.device).L2_cache_size
+            points = prefetch.plan_prefetch(plan.layers, gemms, rows, pf_mode, l2 // 2)
+            st.prefetch = {k: prefetch.L2Prefetch(v, plan.device, self.l2_prefetch_policy)
+                           for k, v in points.items()}
         self._state = st
         return st
 
