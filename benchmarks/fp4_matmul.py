@@ -191,7 +191,8 @@ def run_l2(args, results: dict, dump) -> None:
     from qerl.rollout.fast.prefetch import L2Prefetch, tensor_regions
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    cycles = int(args.sleep_us * torch.cuda.get_device_properties(dev).clock_rate * 1e-3)
+    khz = getattr(torch.cuda.get_device_properties(dev), "clock_rate", 0) or 1_980_000  # Hopper max
+    cycles = int(args.sleep_us * khz * 1e-3)
     for name, n, k in model_gemm_shapes(args.model):
         base = _fp4(n, k, "nvfp4")
         nb = _fp4_bytes(base)
