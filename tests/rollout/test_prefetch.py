@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from qerl.rollout.fast import prefetch as P
-from qerl.rollout.fast.options import resolve_prefetch
 
 
 def test_chunks_cover_each_region_in_aligned_requests() -> None:
@@ -97,15 +96,15 @@ def test_prefetch_table_holds_the_requests() -> None:
         P.L2Prefetch([], torch.device("cpu"), policy="evict_first")
 
 
-def test_resolve_prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda", 0)
-    assert resolve_prefetch("off", torch.device("cpu"), "torch") == "off"
+    assert P.resolve_mode("off", torch.device("cpu"), "torch") == "off"
     with pytest.raises(ValueError, match=r"l2_prefetch='o\+qkv' needs the triton backend"):
-        resolve_prefetch("o+qkv", torch.device("cpu"), "torch")
-    monkeypatch.setattr("qerl.rollout.fast.options.prefetch_supported", lambda d: d.type == "cuda")
-    assert resolve_prefetch("o", cuda, "triton") == "o"
+        P.resolve_mode("o+qkv", torch.device("cpu"), "torch")
+    monkeypatch.setattr(P, "prefetch_supported", lambda d: d.type == "cuda")
+    assert P.resolve_mode("o", cuda, "triton") == "o"
     with pytest.raises(ValueError, match="backend torch"):
-        resolve_prefetch("o", cuda, "torch")
+        P.resolve_mode("o", cuda, "torch")
 
 
 def test_prefetch_unsupported_off_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

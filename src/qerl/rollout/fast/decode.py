@@ -35,7 +35,7 @@ from qerl.rollout.fast.sampling import sample_tokens
 from qerl.rollout.fast.state import State, record
 from qerl.rollout.fast.torch_forward import TorchContext, group_forward
 
-__all__ = ["capture", "step"]
+__all__ = ["capture", "run", "step"]
 
 
 def _lora(st: State, kind: str, g: Group, x: torch.Tensor,
@@ -173,3 +173,25 @@ def capture(plan: Plan, st: State, ctx: TorchContext, warm: torch.cuda.Stream) -
         st.graph = None
     finally:
         st.restore(saved)
+
+
+def run(plan: Plan, st: State, ctx: TorchContext, T: int, warm: torch.cuda.Stream | None,
+        check_every: int = 16, max_steps: int | None = None) -> int:
+    """Decode steps ``1 .. T-1`` of a wave (the prefill sampled step 0): replays of the state's
+    CUDA graph, captured first on stream ``warm`` (``None``: no graph, eager steps); every
+    ``check_every`` steps one host sync stops early when every row is done; at most ``max_steps``
+    (a benchmark's warm-up). Returns the steps run."""
+    if warm is not None and st.graph is None:
+        capture(plan, st, ctx, warm)
+    steps = 0
+    for t in range(1, T):
+        if max_steps is not None and steps >= max_steps:
+            break
+        if st.graph is not None:
+            st.graph.replay()
+        else:
+            step(plan, st, ctx)
+        steps += 1
+        if t % check_every == 0 and bool(st.done.all()):
+            break
+    return steps

@@ -37,14 +37,7 @@ from qerl.rollout.fast import decode, prefetch, state
 from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.lora import FUSED_MAX_M, MAX_ROWS, fused_lora_ok
-from qerl.rollout.fast.options import (
-    beside_gemm_sms,
-    bool_or_none,
-    choice,
-    int_in,
-    resolve_pdl,
-    resolve_prefetch,
-)
+from qerl.rollout.fast.options import beside_gemm_sms, bool_or_none, choice, int_in, resolve_pdl
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
 from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
@@ -93,16 +86,12 @@ class FastEngine:
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
         lora_sms: with PDL and the fused LoRA on the main stream, humming's decode GEMMs leave
             this many multiprocessors to the group's LoRA, which runs beside the GEMM (0: before
-            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38, and of
-            4 / 8 / 12 at 7B B=64, run 40); ``lora_end_wait``: ``"one"`` or ``"all"`` of its
-            programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
-            run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
-            at 7B B=1).
-        l2_prefetch: pull small groups' 4-bit weights into L2 ahead of their decode GEMMs
-            (:mod:`qerl.rollout.fast.prefetch`): ``"off"``, ``"o"`` (each layer's o weights
-            during its attention) or ``"o+qkv"`` (and the next layer's q/k/v during the down
-            GEMM); any but ``"off"`` needs the ``triton`` backend on a compute capability 9.0
-            GPU. ``l2_prefetch_policy``: ``"normal"`` or ``"evict_last"`` for the prefetched lines.
+            it; 8: the fastest, runs 38 and 40); ``lora_end_wait``: ``"one"`` (faster, run 40) or
+            ``"all"`` of its programs wait for the GEMM at their end (:func:`qerl.rollout.fast.
+            lora.fused_lora`).
+        l2_prefetch / l2_prefetch_policy: ``"off"``, ``"o"`` or ``"o+qkv"`` / ``"normal"`` or
+            ``"evict_last"``: small groups' 4-bit weights pulled into L2 ahead of their decode
+            GEMMs (:mod:`qerl.rollout.fast.prefetch`; triton backend, compute capability 9.0).
     """
 
     name = "fast"
@@ -227,7 +216,7 @@ class FastEngine:
         plan = self._get_plan(model)
         backend = self._backend_for(plan)
         pdl = resolve_pdl(self.pdl, plan.device) and backend == "triton"
-        pf_mode = resolve_prefetch(self.l2_prefetch, plan.device, backend)
+        pf_mode = prefetch.resolve_mode(self.l2_prefetch, plan.device, backend)
         gemms = self._get_gemms(plan)
         refresh_lora(plan)
         n, n_prompts = sp.n, len(prompt_ids)
@@ -318,7 +307,8 @@ class FastEngine:
         steps = 0
         if T > 1 and not bool(st.done.all()):
             if backend == "triton":
-                steps = self._decode_graph(plan, st, ctx, T)
+                warm = self._stream(dev, "warm-up") if self.use_cuda_graph else None
+                steps = decode.run(plan, st, ctx, T, warm, self.check_every, self.max_decode_steps)
             else:
                 steps = self._decode_torch(plan, st, ctx, T, P)
         sync(dev)
@@ -371,11 +361,8 @@ class FastEngine:
         st.pdl = pdl
         st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
         st.lora_end_wait = self.lora_end_wait
-        if pf_mode != "off" and gemms:
-            l2 = torch.cuda.get_device_properties(plan.device).L2_cache_size
-            points = prefetch.plan_prefetch(plan.layers, gemms, rows, pf_mode, l2 // 2)
-            st.prefetch = {k: prefetch.L2Prefetch(v, plan.device, self.l2_prefetch_policy)
-                           for k, v in points.items()}
+        st.prefetch = prefetch.state_prefetches(plan.layers, gemms, rows, pf_mode,
+                                                self.l2_prefetch_policy, plan.device)
         self._state = st
         return st
 
@@ -398,22 +385,6 @@ class FastEngine:
             record(st, *sample_tokens(logits, u, st.temp, st.top_p, st.mode))
             st.slot.add_(1)
             st.step.add_(1)
-            steps += 1
-            if t % self.check_every == 0 and bool(st.done.all()):
-                break
-        return steps
-
-    def _decode_graph(self, plan: Plan, st: State, ctx: TorchContext, T: int) -> int:
-        if self.use_cuda_graph and plan.device.type == "cuda" and st.graph is None:
-            decode.capture(plan, st, ctx, self._stream(plan.device, "warm-up"))
-        steps = 0
-        for t in range(1, T):
-            if self.max_decode_steps is not None and steps >= self.max_decode_steps:
-                break
-            if st.graph is not None:
-                st.graph.replay()
-            else:
-                decode.step(plan, st, ctx)
             steps += 1
             if t % self.check_every == 0 and bool(st.done.all()):
                 break

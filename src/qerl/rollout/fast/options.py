@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from qerl.rollout.fast.pdl import pdl_supported
-from qerl.rollout.fast.prefetch import prefetch_supported
 
-__all__ = ["beside_gemm_sms", "bool_or_none", "choice", "int_in", "resolve_pdl", "resolve_prefetch"]
+__all__ = ["beside_gemm_sms", "bool_or_none", "choice", "int_in", "resolve_pdl"]
 
 
 def choice(name: str, value, allowed: tuple[str, ...]) -> None:
@@ -37,17 +36,6 @@ def resolve_pdl(requested: bool | None, device: torch.device) -> bool:
                          f"compiled Triton with launch_pdl (QERL_PDL not 0); the model is on "
                          f"{device}: use pdl=None (automatic) or pdl=False")
     return requested
-
-
-def resolve_prefetch(mode: str, device: torch.device, backend: str) -> str:
-    """``l2_prefetch`` of the engine for ``device`` and decode ``backend``: ``"off"`` as is; any
-    other mode needs the ``triton`` backend on a GPU that :func:`qerl.rollout.fast.prefetch.
-    prefetch_supported` accepts, else raises."""
-    if mode != "off" and not (backend == "triton" and prefetch_supported(device)):
-        raise ValueError(f"l2_prefetch={mode!r} needs the triton backend on a CUDA GPU of compute "
-                         f"capability 9.0 or later with compiled Triton; the model is on {device} "
-                         f"(backend {backend}): use l2_prefetch='off'")
-    return mode
 
 
 def beside_gemm_sms(st, lora_sms: int, device: torch.device) -> int | None:

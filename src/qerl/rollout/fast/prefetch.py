@@ -34,7 +34,7 @@ import torch
 from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton
 
 __all__ = ["CHUNK", "MODES", "POLICIES", "L2Prefetch", "chunks", "plan_prefetch",
-           "prefetch_supported"]
+           "prefetch_supported", "resolve_mode", "state_prefetches"]
 
 MODES = ("off", "o", "o+qkv")
 POLICIES = ("normal", "evict_last")
@@ -49,6 +49,16 @@ def prefetch_supported(device: torch.device) -> bool:
     if not HAS_TRITON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def resolve_mode(mode: str, device: torch.device, backend: str) -> str:
+    """The engine's ``l2_prefetch`` for ``device`` and decode ``backend``: ``"off"`` as is; any
+    other mode needs the ``triton`` backend where :func:`prefetch_supported`, else raises."""
+    if mode != "off" and not (backend == "triton" and prefetch_supported(device)):
+        raise ValueError(f"l2_prefetch={mode!r} needs the triton backend on a CUDA GPU of compute "
+                         f"capability 9.0 or later with compiled Triton; the model is on {device} "
+                         f"(backend {backend}): use l2_prefetch='off'")
+    return mode
 
 
 def chunks(regions: Iterable[tuple[int, int]], chunk: int = CHUNK) -> list[tuple[int, int]]:
@@ -154,3 +164,14 @@ class L2Prefetch:
         _l2_prefetch_kernel[(triton.cdiv(self.n_req, _NT),)](
             self.table, self.n_req, NT=_NT, EVICT_LAST=self.policy == "evict_last", num_warps=1,
             **launch_kw(pdl))
+
+
+def state_prefetches(layers: Sequence, gemms: Mapping[int, object] | None, rows: int, mode: str,
+                     policy: str, device: torch.device) -> dict[tuple[str, int], L2Prefetch]:
+    """The decode state's prefetches (:func:`plan_prefetch` at ``rows``, groups up to half the
+    device's L2), ready to launch; none for ``mode="off"`` or without group GEMMs."""
+    if mode == "off" or not gemms:
+        return {}
+    half_l2 = torch.cuda.get_device_properties(device).L2_cache_size // 2
+    return {k: L2Prefetch(v, device, policy)
+            for k, v in plan_prefetch(layers, gemms, rows, mode, half_l2).items()}
