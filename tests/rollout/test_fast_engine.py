@@ -332,7 +332,7 @@ def test_bad_engine_options() -> None:
             FastEngine(lora_sms=bad)
     with pytest.raises(ValueError, match="lora_end_wait must be one or all"):
         FastEngine(lora_end_wait="none")
-    with pytest.raises(ValueError, match="l2_prefetch must be off, o or o\\+qkv"):
+    with pytest.raises(ValueError, match="l2_prefetch must be off, o, o\\+qkv or o\\+qkv\\+lora"):
         FastEngine(l2_prefetch="all")
     with pytest.raises(ValueError, match="l2_prefetch_policy must be normal or evict_last"):
         FastEngine(l2_prefetch_policy="evict_first")
@@ -696,7 +696,8 @@ def test_gpu_l2_prefetch_keeps_the_rollout() -> None:
         model = _gpu_model("nvfp4")
         sp = SamplingParams(n=2, greedy=True, max_new_tokens=24, eos_token_ids=(), pad_token_id=0)
         ref = FastEngine().generate(model, PROMPTS, sp)
-        for mode, policy in (("o", "normal"), ("o+qkv", "normal"), ("o+qkv", "evict_last")):
+        for mode, policy in (("o", "normal"), ("o+qkv", "normal"), ("o+qkv+lora", "normal"),
+                             ("o+qkv", "evict_last")):
             eng = FastEngine(l2_prefetch=mode, l2_prefetch_policy=policy)
             out = eng.generate(model, PROMPTS, sp)
             assert eng.last_stats["cuda_graph"] and eng.last_stats["l2_prefetch_gib"] > 0

@@ -41,10 +41,17 @@ class _Gemm:
         return [self.t] if rows <= self.max_rows else []
 
 
-def _layers(n: int, qkv_bytes: int = 4096, o_bytes: int = 2048):
+def _group(rank: int = 0, n: int = 64):
+    """A plan group as the planner sees it: its LoRA rank and stacked adapter weights."""
+    if not rank:
+        return SimpleNamespace(r_total=0, a_cat=None, b_full=None)
+    return SimpleNamespace(r_total=rank, a_cat=torch.zeros(rank, 32), b_full=torch.zeros(n, rank))
+
+
+def _layers(n: int, qkv_bytes: int = 4096, o_bytes: int = 2048, rank: int = 0):
     layers, gemms = [], {}
     for _ in range(n):
-        lay = SimpleNamespace(qkv=object(), o=object(), gu=object(), down=object())
+        lay = SimpleNamespace(qkv=_group(rank), o=_group(rank), gu=_group(rank), down=_group(rank))
         gemms[id(lay.qkv)], gemms[id(lay.o)] = _Gemm(qkv_bytes), _Gemm(o_bytes)
         gemms[id(lay.gu)], gemms[id(lay.down)] = _Gemm(1 << 20), _Gemm(1 << 20)
         layers.append(lay)
@@ -54,6 +61,11 @@ def _layers(n: int, qkv_bytes: int = 4096, o_bytes: int = 2048):
 def _region(gemms, group):
     t = gemms[id(group)].t
     return [(t.data_ptr(), t.numel())]
+
+
+def _lora(group):
+    return [(group.a_cat.data_ptr(), group.a_cat.numel() * 4),
+            (group.b_full.data_ptr(), group.b_full.numel() * 4)]
 
 
 def test_plan_o_prefetches_each_layers_o_before_its_attention() -> None:
@@ -72,6 +84,22 @@ def test_plan_o_qkv_adds_the_next_layers_qkv_before_down_and_layer0_after_the_he
     assert plan == want  # no ("down", 2): the last layer's next q/k/v is the next step's
 
 
+def test_plan_with_lora_adds_each_groups_adapters_beside_its_weights() -> None:
+    layers, gemms = _layers(2, rank=4)
+    plan = P.plan_prefetch(layers, gemms, rows=8, mode="o+qkv+lora", max_bytes=1 << 16)
+    l0, l1 = layers
+    assert plan == {
+        ("attn", 0): _region(gemms, l0.o) + _lora(l0.o),
+        ("attn", 1): _region(gemms, l1.o) + _lora(l1.o),
+        ("gu", 0): _lora(l0.gu), ("gu", 1): _lora(l1.gu),  # gate/up's weights: over the limit
+        ("down", 0): _region(gemms, l1.qkv) + _lora(l1.qkv) + _lora(l0.down),
+        ("down", 1): _lora(l1.down),
+        ("head", 0): _region(gemms, l0.qkv) + _lora(l0.qkv)}
+    # without "+lora" the adapters are never requested
+    plain = P.plan_prefetch(layers, gemms, rows=8, mode="o+qkv", max_bytes=1 << 16)
+    assert plain[("attn", 0)] == _region(gemms, l0.o) and ("gu", 0) not in plain
+
+
 def test_plan_leaves_out_groups_too_big_for_l2_or_not_run_by_a_prefetchable_gemm() -> None:
     layers, gemms = _layers(2, qkv_bytes=5000, o_bytes=3000)
     plan = P.plan_prefetch(layers, gemms, rows=8, mode="o+qkv", max_bytes=4096)
@@ -79,7 +107,7 @@ def test_plan_leaves_out_groups_too_big_for_l2_or_not_run_by_a_prefetchable_gemm
     assert P.plan_prefetch(layers, gemms, rows=128, mode="o+qkv", max_bytes=1 << 16) == {}
     del gemms[id(layers[0].o)]  # a group without a GEMM of its own (the CPU path)
     assert set(P.plan_prefetch(layers, gemms, rows=8, mode="o", max_bytes=1 << 16)) == {("attn", 1)}
-    with pytest.raises(ValueError, match="l2_prefetch must be off, o or o\\+qkv, got 'gu'"):
+    with pytest.raises(ValueError, match="l2_prefetch must be off, o, o\\+qkv or o\\+qkv\\+lora, got 'gu'"):
         P.plan_prefetch(layers, gemms, rows=8, mode="gu", max_bytes=1 << 16)
 
 

@@ -10,8 +10,8 @@ the fused kernel (:mod:`qerl.rollout.fast.lora`, up to its rows, on the main str
 two cuBLAS GEMMs (on a side stream while the main stream runs the group's base GEMM); the
 consumer kernel adds ``lo`` in its epilogue (one load per element), after the streams join.
 
-``st.prefetch``: L2 prefetches of the next small GEMM's weights, before the attention and the
-down GEMM, and after the LM head (:mod:`qerl.rollout.fast.prefetch`).
+``st.prefetch``: L2 prefetches of the next small GEMMs' weights (and LoRAs), before the
+attention, the gate/up and the down GEMM, and after the LM head (:mod:`qerl.rollout.fast.prefetch`).
 
 ``st.pdl``: the Triton kernels and humming's GEMMs are launched with programmatic dependent
 launch (:mod:`qerl.rollout.fast.pdl`); the embedding, the LM head and sampling are not. With
@@ -133,6 +133,7 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
                          pdl=pdl)
         (o,) = _finished(st, ctx, "o", lay.o, ao, rows)
         x = K.add_rmsnorm(h, lay.ln2, lay.eps2, o, pdl=pdl)
+        _prefetch(st, "gu", li, pdl)
         g, u = _finished(st, ctx, "gu", lay.gu, x, rows)
         act = K.silu_mul(g, u.raw, pdl=pdl)
         _prefetch(st, "down", li, pdl)

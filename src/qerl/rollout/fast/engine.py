@@ -89,9 +89,9 @@ class FastEngine:
             it; 8: the fastest, runs 38 and 40); ``lora_end_wait``: ``"one"`` (faster, run 40) or
             ``"all"`` of its programs wait for the GEMM at their end (:func:`qerl.rollout.fast.
             lora.fused_lora`).
-        l2_prefetch / l2_prefetch_policy: ``"off"``, ``"o"`` or ``"o+qkv"`` / ``"normal"`` or
-            ``"evict_last"``: small groups' 4-bit weights pulled into L2 ahead of their decode
-            GEMMs (:mod:`qerl.rollout.fast.prefetch`; triton backend, compute capability 9.0).
+        l2_prefetch / l2_prefetch_policy: ``"off"``, ``"o"``, ``"o+qkv"`` or ``"o+qkv+lora"`` /
+            ``"normal"`` or ``"evict_last"``: small groups' 4-bit weights (and LoRAs) pulled into
+            L2 ahead of their decode GEMMs (:mod:`qerl.rollout.fast.prefetch`; triton, sm_90).
     """
 
     name = "fast"

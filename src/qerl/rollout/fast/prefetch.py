@@ -10,7 +10,10 @@ kernel exits as soon as the requests are issued), so the GEMM then reads them fr
 
 * ``"o"``: the layer's o projection, issued before the attention kernel;
 * ``"o+qkv"``: that, and the next layer's q/k/v, issued before the down projection (the first
-  layer's before the next step, right after the LM head).
+  layer's before the next step, right after the LM head);
+* ``"o+qkv+lora"``: that, and every group's LoRA weights (``a_cat``, ``b_full``) with its base
+  weights' (gate/up's before its GEMM, down's with the next q/k/v): the fused LoRA kernel runs
+  on a few multiprocessors beside the GEMM, where what bounds it is the latency of its loads.
 
 A group is prefetched only when its weights fit in half the L2 (gate/up and down never do at 7B
 and larger). ``policy="evict_last"`` marks the prefetched lines to be evicted last (the KV
@@ -36,7 +39,7 @@ from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton
 __all__ = ["CHUNK", "MODES", "POLICIES", "L2Prefetch", "chunks", "plan_prefetch",
            "prefetch_supported", "resolve_mode", "state_prefetches"]
 
-MODES = ("off", "o", "o+qkv")
+MODES = ("off", "o", "o+qkv", "o+qkv+lora")
 POLICIES = ("normal", "evict_last")
 CHUNK = 16 << 10  # bytes a bulk prefetch request covers (one per thread)
 ALIGN = 16  # the bulk prefetch's address and size granularity
@@ -87,29 +90,38 @@ def plan_prefetch(layers: Sequence, gemms: Mapping[int, object], rows: int, mode
                   max_bytes: int) -> dict[tuple[str, int], list[tuple[int, int]]]:
     """Where the decode step issues which prefetches, for ``mode`` (see the module docstring):
     ``{(point, layer): regions}`` with points ``"attn"`` (before layer ``li``'s attention: its
-    o weights), ``"down"`` (before layer ``li``'s down GEMM: layer ``li + 1``'s q/k/v) and
-    ``"head"`` (after the LM head: layer 0's q/k/v, for the next step). ``gemms`` maps
-    ``id(group)`` to an object with ``prefetch_tensors(rows)`` (the tensors its GEMM reads at
-    ``rows``; :class:`qerl.rollout.fast.gemm.GroupGemm`); a group whose GEMM reads nothing
-    prefetchable there, or more than ``max_bytes``, is left out."""
+    o weights), ``"down"`` (before layer ``li``'s down GEMM: layer ``li + 1``'s q/k/v),
+    ``"head"`` (after the LM head: layer 0's q/k/v, for the next step) and, with LoRA, ``"gu"``
+    (before the gate/up GEMM: its LoRA). ``gemms`` maps ``id(group)`` to an object with
+    ``prefetch_tensors(rows)`` (the tensors its GEMM reads at ``rows``; :class:`qerl.rollout.
+    fast.gemm.GroupGemm`); a group whose GEMM reads nothing prefetchable there, or more than
+    ``max_bytes``, has no base weights prefetched."""
     if mode not in MODES:
         raise ValueError(f"l2_prefetch must be {', '.join(MODES[:-1])} or {MODES[-1]}, got {mode!r}")
+    lora = mode == "o+qkv+lora"
 
-    def regions(group) -> list[tuple[int, int]]:
+    def base(group) -> list[tuple[int, int]]:
         gemm = gemms.get(id(group))
         regs = tensor_regions(gemm.prefetch_tensors(rows)) if gemm is not None else []
         return regs if 0 < sum(n for _, n in regs) <= max_bytes else []
+
+    def adapters(group) -> list[tuple[int, int]]:
+        if not (lora and getattr(group, "r_total", 0)):
+            return []
+        return tensor_regions(t for t in (group.a_cat, group.b_full) if t is not None)
 
     points: dict[tuple[str, int], list[tuple[int, int]]] = {}
     if mode == "off":
         return points
     for li, lay in enumerate(layers):
-        points["attn", li] = regions(lay.o)
-        if mode == "o+qkv":
+        points["attn", li] = base(lay.o) + adapters(lay.o)
+        if mode != "o":
             nxt = layers[li + 1] if li + 1 < len(layers) else None
-            points["down", li] = regions(nxt.qkv) if nxt is not None else []
-    if mode == "o+qkv" and layers:
-        points["head", 0] = regions(layers[0].qkv)
+            points["down", li] = (base(nxt.qkv) + adapters(nxt.qkv) if nxt is not None else []) \
+                + adapters(lay.down)
+            points["gu", li] = adapters(lay.gu)
+    if mode != "o" and layers:
+        points["head", 0] = base(layers[0].qkv) + adapters(layers[0].qkv)
     return {k: v for k, v in points.items() if v}
 
 
