@@ -14,13 +14,6 @@ path) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old m
     python benchmarks/fp4_matmul.py --model 7b --ms 1,16,64,256 --json fp4_matmul.json
     python benchmarks/fp4_matmul.py --crossover --ms 64,128,256,512,1024,2048   # humming vs dequant
     python benchmarks/fp4_matmul.py --train    # training autograd: forward+backward, peak memory
-    python benchmarks/fp4_matmul.py --l2 --model 7b --ms 1,64   # humming from DRAM / L2 / prefetched
-
-``--l2``: humming's NVFP4 GEMM (the engine's bf16-scale layout and tuned configs) per shape and M,
-``cold`` (as above), ``warm`` (the same weights every call: in L2 where they fit), and after the
-fast engine's bulk L2 prefetch of its weights (:mod:`qerl.rollout.fast.prefetch`) issued
-``sleep_us`` before the GEMM (``prefetched``) or right before it (``prefetch_b2b``); both are the
-graph with the prefetch (and sleep) and the GEMM minus the graph without the GEMM.
 """
 
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
@@ -185,46 +178,6 @@ def run_shapes(args, results: dict, dump, legacy) -> None:
                 print(json.dumps(cell), flush=True)
 
 
-def run_l2(args, results: dict, dump) -> None:
-    """The ``--l2`` table (see the module docstring)."""
-    from qerl.kernels.humming_gemm import HummingFp4
-    from qerl.rollout.fast.prefetch import L2Prefetch, tensor_regions
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    khz = getattr(torch.cuda.get_device_properties(dev), "clock_rate", 0) or 1_980_000  # Hopper max
-    cycles = int(args.sleep_us * khz * 1e-3)
-    for name, n, k in model_gemm_shapes(args.model):
-        base = _fp4(n, k, "nvfp4")
-        nb = _fp4_bytes(base)
-        gs = [HummingFp4("nvfp4", [(base["weight_packed"], base["weight_scale"],
-                                    base["weight_global_scale"])], layout="bf16_scales")
-              for _ in range(_copies(nb))]
-        pfs = [L2Prefetch(tensor_regions(g.tensors()), dev) for g in gs]
-        for m in [int(v) for v in args.ms.split(",")]:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cell = {"shape": name, "n": n, "k": k, "m": m, "method": "humming_nvfp4_bf16_scales",
-                    "weight_bytes": gs[0].nbytes(), "sleep_us": args.sleep_us}
-            try:
-                gemm = [lambda g=g: g(x) for g in gs]
-                pf_sleep = [lambda p=p: (p.launch(), torch.cuda._sleep(cycles)) for p in pfs]
-                both = [lambda p=p, g=g: (p.launch(), torch.cuda._sleep(cycles), g(x))
-                        for p, g in zip(pfs, gs, strict=True)]
-                b2b = [lambda p=p, g=g: (p.launch(), g(x)) for p, g in zip(pfs, gs, strict=True)]
-                pf = [lambda p=p: p.launch() for p in pfs]
-                cell["cold_us"] = graph_time(gemm) * 1e6
-                cell["warm_us"] = graph_time([gemm[0]] * len(gemm)) * 1e6
-                cell["prefetch_us"] = graph_time(pf) * 1e6
-                cell["prefetched_us"] = (graph_time(both) - graph_time(pf_sleep)) * 1e6
-                cell["prefetch_b2b_us"] = (graph_time(b2b) - graph_time(pf)) * 1e6
-            except Exception as e:  # noqa: BLE001 - record it and go on
-                cell["error"] = f"{type(e).__name__}: {e}"[:300]
-            results["cells"].append(cell)
-            dump()
-            print(json.dumps(cell), flush=True)
-        del gs, pfs
-        torch.cuda.empty_cache()
-
-
 def run_train(results: dict, dump) -> None:
     """Forward + backward of a stack of FP4 layers at training size: the autograd function
     against plain autograd on the torch-dequantized weight (which saves every weight)."""
@@ -282,9 +235,6 @@ def main() -> None:  # pragma: no cover - GPU only
     ap.add_argument("--crossover", action="store_true",
                     help="only humming vs Triton dequantize + cuBLAS (the humming_max_m choice)")
     ap.add_argument("--train", action="store_true", help="only the training autograd timing")
-    ap.add_argument("--l2", action="store_true", help="only humming cold / warm / L2-prefetched")
-    ap.add_argument("--sleep-us", type=float, default=30.0,
-                    help="--l2: microseconds between the prefetch and the GEMM")
     ap.add_argument("--legacy", default=None, help="path of the old Triton FP4 module to compare")
     ap.add_argument("--json", default="fp4_matmul.json")
     args = ap.parse_args()
@@ -316,18 +266,6 @@ def main() -> None:  # pragma: no cover - GPU only
 
     if args.train:
         run_train(results, dump)
-    elif args.l2:
-        run_l2(args, results, dump)
-        print("\n| shape | M | cold us | warm us | prefetched us | prefetch back-to-back us | "
-              "prefetch launch us |")
-        print("|---|---|---|---|---|---|---|")
-        for c in results["cells"]:
-            if "cold_us" in c:
-                print(f"| {c['shape']} {c['n']}x{c['k']} | {c['m']} | {c['cold_us']:.1f} | "
-                      f"{c['warm_us']:.1f} | {c['prefetched_us']:.1f} | {c['prefetch_b2b_us']:.1f} | "
-                      f"{c['prefetch_us']:.1f} |")
-        dump()
-        return
     else:
         run_shapes(args, results, dump, legacy)
     print("\n| shape | M | method | us | GB/s | % copy bw | rel err |")

@@ -45,9 +45,6 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     samplertests)  # the sampling kernels against torch on the GPU, and the engine graph at real width
       timeout 100 python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py -k "sample or real_model_width" \
         tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | tail -15 ;;
-    pftests)  # the L2 prefetch: its PTX, and the same rollout with it on the GPU
-      timeout ${PFTESTS_TIMEOUT:-90} python3 -m pytest -p no:cacheprovider -n 4 -rfE tests/rollout/test_prefetch.py \
-        tests/rollout/test_fast_engine.py::test_gpu_l2_prefetch_keeps_the_rollout 2>&1 | tail -15 ;;
     loratests)  # the fused LoRA kernel against float32 on the GPU, then the engine's GPU tests that run it
       # (two pytest calls: a -k filter would apply to every file given and deselect the engine tests,
       # as it did in runs 21-22 and 25 of docs/benchmarks.md)
@@ -80,10 +77,6 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --layouts bf16_scales --ms ${TUNE_MS:-1,64} ${TUNE_ONLY:+--only $TUNE_ONLY} --search wide \
         ${TUNE_SMS:+--sms $TUNE_SMS} --shape-budget-s ${TUNE_SHAPE_S:-60} --budget-s $(( ${TUNE_TIMEOUT:-300} - 15 )) \
         --json "$OUT/tune_wide_$(echo "${TUNE_MODELS:-7b}_${TUNE_MS:-1,64}_${TUNE_ONLY:-all}${TUNE_SMS:+_sms$TUNE_SMS}" | tr , -).json" ;;
-    l2micro)  # humming from DRAM, from L2, and after the engine's bulk L2 prefetch (fp4_matmul.py --l2)
-      for mdl in ${L2_MODELS:-7b}; do
-        timeout ${L2_TIMEOUT:-120} python3 benchmarks/fp4_matmul.py --l2 --model $mdl --ms ${L2_MS:-1,64} \
-          --json "$OUT/l2_prefetch_$mdl.json"; done ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)

@@ -27,11 +27,7 @@ multiprocessors, ``lora_sms=4`` / ... / ``16``;
 ``_allwait`` (beside the GEMM, one LoRA program waiting for it at its end, or all of them,
 ``lora_end_wait="one"`` / ``"all"``; "one" is the default since run 40),
 ``fast_nvfp4_lora_split2`` / ``_split4`` / ``_split6`` (the decode attention's KV slots in that
-many splits, ``FastEngine(attention_splits=...)``; the default chooses),
-``fast_nvfp4_lora_pf_o`` / ``_pf_oqkv`` / ``_pf_oqkv_lora`` / ``_pf_oqkv_last`` (L2 prefetch of
-the o weights, of the o and the next layer's q/k/v, and of those and every LoRA, ahead of their
-GEMMs, ``FastEngine(l2_prefetch="o")`` / ``"o+qkv"`` / ``"o+qkv+lora"``; ``_last``: ``"o+qkv"``
-with ``l2_prefetch_policy="evict_last"``). Per cell: tokens/s
+many splits, ``FastEngine(attention_splits=...)``; the default chooses). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -94,12 +90,7 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_allwait": dict(lora_end_wait="all"),
                        "fast_nvfp4_lora_split2": dict(attention_splits=2),
                        "fast_nvfp4_lora_split4": dict(attention_splits=4),
-                       "fast_nvfp4_lora_split6": dict(attention_splits=6),
-                       "fast_nvfp4_lora_pf_o": dict(l2_prefetch="o"),
-                       "fast_nvfp4_lora_pf_oqkv": dict(l2_prefetch="o+qkv"),
-                       "fast_nvfp4_lora_pf_oqkv_lora": dict(l2_prefetch="o+qkv+lora"),
-                       "fast_nvfp4_lora_pf_oqkv_last": dict(l2_prefetch="o+qkv",
-                                                            l2_prefetch_policy="evict_last")}
+                       "fast_nvfp4_lora_split6": dict(attention_splits=6)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl",
                  *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

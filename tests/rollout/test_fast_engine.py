@@ -332,14 +332,6 @@ def test_bad_engine_options() -> None:
             FastEngine(lora_sms=bad)
     with pytest.raises(ValueError, match="lora_end_wait must be one or all"):
         FastEngine(lora_end_wait="none")
-    with pytest.raises(ValueError, match="l2_prefetch must be off, o, o\\+qkv or o\\+qkv\\+lora"):
-        FastEngine(l2_prefetch="all")
-    with pytest.raises(ValueError, match="l2_prefetch_policy must be normal or evict_last"):
-        FastEngine(l2_prefetch_policy="evict_first")
-    eng = FastEngine(backend="torch", l2_prefetch="o")
-    with pytest.raises(ValueError, match=r"l2_prefetch='o' needs the triton backend .* use l2_prefetch='off'"):
-        eng.generate(_model("qwen2"), PROMPTS, SamplingParams(n=1, greedy=True, max_new_tokens=2))
-    assert eng._state is None
     # asked for where it cannot work: refused before the prefill, naming the option and the fix
     eng = FastEngine(backend="torch", pdl=True)
     with pytest.raises(ValueError, match=r"pdl=True needs a CUDA GPU .* use pdl=None"):
@@ -677,31 +669,5 @@ def test_gpu_single_copy_keeps_one_copy_and_the_same_rollout() -> None:
             assert torch.cuda.memory_allocated() <= base  # nothing of the call stays behind
         bufs = [b for n, b in model.named_buffers() if n.endswith("weight_packed")]
         assert bufs and all(b.is_cuda for b in bufs)
-    finally:
-        use_backend(previous)
-
-
-@gpu
-def test_gpu_l2_prefetch_keeps_the_rollout() -> None:
-    """``l2_prefetch``: the o (and next q/k/v) weights pulled into L2 ahead of their GEMMs change
-    no value: the same greedy tokens and log-probs as without, with every small group's bytes
-    planned (tiny model: all of its humming groups fit in half the L2)."""
-    from qerl.kernels import backend_available, use_backend
-    from qerl.rollout.fast.prefetch import prefetch_supported
-
-    if not backend_available("humming") or not prefetch_supported(torch.device("cuda")):
-        pytest.skip("needs humming and a compute capability 9.0 GPU")
-    previous = use_backend("humming")
-    try:
-        model = _gpu_model("nvfp4")
-        sp = SamplingParams(n=2, greedy=True, max_new_tokens=24, eos_token_ids=(), pad_token_id=0)
-        ref = FastEngine().generate(model, PROMPTS, sp)
-        for mode, policy in (("o", "normal"), ("o+qkv", "normal"), ("o+qkv+lora", "normal"),
-                             ("o+qkv", "evict_last")):
-            eng = FastEngine(l2_prefetch=mode, l2_prefetch_policy=policy)
-            out = eng.generate(model, PROMPTS, sp)
-            assert eng.last_stats["cuda_graph"] and eng.last_stats["l2_prefetch_gib"] > 0
-            assert torch.equal(out.completion_ids, ref.completion_ids), (mode, policy)
-            torch.testing.assert_close(out.logprobs, ref.logprobs, atol=0, rtol=0)
     finally:
         use_backend(previous)

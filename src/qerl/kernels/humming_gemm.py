@@ -182,13 +182,9 @@ class HummingFp4:
         return self.layer(x, outputs=out,
                           tuning_config=tuning or self.tuning_for(x.shape[0], pdl, sms))
 
-    def tensors(self) -> list[torch.Tensor]:
-        """humming's prepared tensors (what its kernel reads besides ``x``)."""
-        return list(self.layer.parameters())
-
     def nbytes(self) -> int:
         """Bytes of humming's prepared tensors (what this GEMM keeps resident)."""
-        return sum(p.numel() * p.element_size() for p in self.tensors())
+        return sum(p.numel() * p.element_size() for p in self.layer.parameters())
 
 
 def _build_layer(tensors: dict[str, torch.Tensor], n: int, k: int, weight_config: dict,

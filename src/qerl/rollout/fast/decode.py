@@ -10,9 +10,6 @@ the fused kernel (:mod:`qerl.rollout.fast.lora`, up to its rows, on the main str
 two cuBLAS GEMMs (on a side stream while the main stream runs the group's base GEMM); the
 consumer kernel adds ``lo`` in its epilogue (one load per element), after the streams join.
 
-``st.prefetch``: L2 prefetches of the next small GEMMs' weights (and LoRAs), before the
-attention, the gate/up and the down GEMM, and after the LM head (:mod:`qerl.rollout.fast.prefetch`).
-
 ``st.pdl``: the Triton kernels and humming's GEMMs are launched with programmatic dependent
 launch (:mod:`qerl.rollout.fast.pdl`); the embedding, the LM head and sampling are not. With
 it, ``st.gemm_sms`` (``FastEngine(lora_sms=...)``) runs each group's fused LoRA at the same time
@@ -35,7 +32,7 @@ from qerl.rollout.fast.sampling import sample_tokens
 from qerl.rollout.fast.state import State, record
 from qerl.rollout.fast.torch_forward import TorchContext, group_forward
 
-__all__ = ["capture", "run", "step"]
+__all__ = ["capture", "step"]
 
 
 def _lora(st: State, kind: str, g: Group, x: torch.Tensor,
@@ -111,13 +108,6 @@ def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor
     return epis
 
 
-def _prefetch(st: State, point: str, li: int, pdl: bool) -> None:
-    """Issue the L2 prefetches planned at ``(point, li)`` (:mod:`qerl.rollout.fast.prefetch`)."""
-    p = st.prefetch.get((point, li))
-    if p is not None:
-        p.launch(pdl)
-
-
 def step(plan: Plan, st: State, ctx: TorchContext) -> None:
     """One decode step for all ``st.n_rows`` rows (see the module docstring)."""
     rows, pdl = st.n_rows, st.pdl
@@ -128,19 +118,15 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
         q, k, v = _finished(st, ctx, "qkv", lay.qkv, x, rows)
         qr = K.qkv_rope(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot, st.pad,
                         plan.rope_scale, plan.n_heads, plan.n_kv, plan.head_dim, pdl=pdl)
-        _prefetch(st, "attn", li, pdl)
         ao = K.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling, st.attn_splits,
                          pdl=pdl)
         (o,) = _finished(st, ctx, "o", lay.o, ao, rows)
         x = K.add_rmsnorm(h, lay.ln2, lay.eps2, o, pdl=pdl)
-        _prefetch(st, "gu", li, pdl)
         g, u = _finished(st, ctx, "gu", lay.gu, x, rows)
         act = K.silu_mul(g, u.raw, pdl=pdl)
-        _prefetch(st, "down", li, pdl)
         (prev,) = _finished(st, ctx, "down", lay.down, act, rows)
     x = K.add_rmsnorm(h, plan.norm, plan.norm_eps, prev, pdl=pdl)
     (logits,) = group_forward(ctx, plan.lm_head, x)
-    _prefetch(st, "head", 0, False)
     u = st.u.index_select(0, st.step).squeeze(0)
     record(st, *sample_tokens(logits, u, st.temp, st.top_p, st.mode))
     st.slot.add_(1)
@@ -174,25 +160,3 @@ def capture(plan: Plan, st: State, ctx: TorchContext, warm: torch.cuda.Stream) -
         st.graph = None
     finally:
         st.restore(saved)
-
-
-def run(plan: Plan, st: State, ctx: TorchContext, T: int, warm: torch.cuda.Stream | None,
-        check_every: int = 16, max_steps: int | None = None) -> int:
-    """Decode steps ``1 .. T-1`` of a wave (the prefill sampled step 0): replays of the state's
-    CUDA graph, captured first on stream ``warm`` (``None``: no graph, eager steps); every
-    ``check_every`` steps one host sync stops early when every row is done; at most ``max_steps``
-    (a benchmark's warm-up). Returns the steps run."""
-    if warm is not None and st.graph is None:
-        capture(plan, st, ctx, warm)
-    steps = 0
-    for t in range(1, T):
-        if max_steps is not None and steps >= max_steps:
-            break
-        if st.graph is not None:
-            st.graph.replay()
-        else:
-            step(plan, st, ctx)
-        steps += 1
-        if t % check_every == 0 and bool(st.done.all()):
-            break
-    return steps

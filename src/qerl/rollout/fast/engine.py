@@ -33,7 +33,7 @@ from torch import nn
 from qerl.kernels.backend import resolve_backend
 from qerl.kernels.humming_gemm import LAYOUTS
 from qerl.rollout.base import RolloutBatch, SamplingParams
-from qerl.rollout.fast import decode, prefetch, state
+from qerl.rollout.fast import decode, state
 from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.lora import FUSED_MAX_M, MAX_ROWS, fused_lora_ok
@@ -86,12 +86,11 @@ class FastEngine:
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
         lora_sms: with PDL and the fused LoRA on the main stream, humming's decode GEMMs leave
             this many multiprocessors to the group's LoRA, which runs beside the GEMM (0: before
-            it; 8: the fastest, runs 38 and 40); ``lora_end_wait``: ``"one"`` (faster, run 40) or
-            ``"all"`` of its programs wait for the GEMM at their end (:func:`qerl.rollout.fast.
-            lora.fused_lora`).
-        l2_prefetch / l2_prefetch_policy: ``"off"``, ``"o"``, ``"o+qkv"`` or ``"o+qkv+lora"`` /
-            ``"normal"`` or ``"evict_last"``: small groups' 4-bit weights (and LoRAs) pulled into
-            L2 ahead of their decode GEMMs (:mod:`qerl.rollout.fast.prefetch`; triton, sm_90).
+            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38, and of
+            4 / 8 / 12 at 7B B=64, run 40); ``lora_end_wait``: ``"one"`` or ``"all"`` of its
+            programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
+            run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
+            at 7B B=1).
     """
 
     name = "fast"
@@ -103,8 +102,7 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8, lora_end_wait: str = "one", l2_prefetch: str = "off",
-                 l2_prefetch_policy: str = "normal") -> None:
+                 lora_sms: int = 8, lora_end_wait: str = "one") -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -114,8 +112,6 @@ class FastEngine:
         bool_or_none("pdl", pdl)
         int_in("lora_sms", lora_sms, 64, lo=0)
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
-        choice("l2_prefetch", l2_prefetch, prefetch.MODES)
-        choice("l2_prefetch_policy", l2_prefetch_policy, prefetch.POLICIES)
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -134,7 +130,6 @@ class FastEngine:
         self.fused_lora_max_rows = fused_lora_max_rows
         self.humming_layout = humming_layout
         self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
-        self.l2_prefetch, self.l2_prefetch_policy = l2_prefetch, l2_prefetch_policy
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -216,7 +211,6 @@ class FastEngine:
         plan = self._get_plan(model)
         backend = self._backend_for(plan)
         pdl = resolve_pdl(self.pdl, plan.device) and backend == "triton"
-        pf_mode = prefetch.resolve_mode(self.l2_prefetch, plan.device, backend)
         gemms = self._get_gemms(plan)
         refresh_lora(plan)
         n, n_prompts = sp.n, len(prompt_ids)
@@ -234,7 +228,7 @@ class FastEngine:
         else:
             u = torch.rand((T, N), device=dev)
         W = self.wave_rows(plan, N, cap, n)
-        st = self._get_state(plan, W, cap, T, mode, backend, pdl, gemms, pf_mode)
+        st = self._get_state(plan, W, cap, T, mode, backend, pdl)
         if gemms:  # compile the humming kernels of this call's row counts in parallel
             precompile_groups(gemms, (W, -(-W // n) * P), decode_pdl=st.pdl, decode_sms=st.gemm_sms)
         ctx = TorchContext(gemms=gemms)
@@ -264,8 +258,7 @@ class FastEngine:
                            "lora_kernel": "fused" if st.lora_fused is not None
                            else ("cublas" if st.lora_out else "none"),
                            "lora_stream": "side" if st.side is not None else "main",
-                           "pdl": st.pdl, "gemm_sms": st.gemm_sms,
-                           "l2_prefetch_gib": sum(p.nbytes for p in st.prefetch.values()) / GiB}
+                           "pdl": st.pdl, "gemm_sms": st.gemm_sms}
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
             completion_ids=cat[0], completion_mask=cat[1], logprobs=cat[2], truncated=~done,
@@ -307,8 +300,7 @@ class FastEngine:
         steps = 0
         if T > 1 and not bool(st.done.all()):
             if backend == "triton":
-                warm = self._stream(dev, "warm-up") if self.use_cuda_graph else None
-                steps = decode.run(plan, st, ctx, T, warm, self.check_every, self.max_decode_steps)
+                steps = self._decode_graph(plan, st, ctx, T)
             else:
                 steps = self._decode_torch(plan, st, ctx, T, P)
         sync(dev)
@@ -340,11 +332,10 @@ class FastEngine:
     # -- state --------------------------------------------------------------------------------
 
     def _get_state(self, plan: Plan, rows: int, cap: int, T: int, mode: str,
-                   backend: str, pdl: bool, gemms: dict | None = None,
-                   pf_mode: str = "off") -> State:
+                   backend: str, pdl: bool) -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
-               pdl, self.lora_sms, self.lora_end_wait, pf_mode, self.l2_prefetch_policy)
+               pdl, self.lora_sms, self.lora_end_wait)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -361,8 +352,6 @@ class FastEngine:
         st.pdl = pdl
         st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
         st.lora_end_wait = self.lora_end_wait
-        st.prefetch = prefetch.state_prefetches(plan.layers, gemms, rows, pf_mode,
-                                                self.l2_prefetch_policy, plan.device)
         self._state = st
         return st
 
@@ -385,6 +374,22 @@ class FastEngine:
             record(st, *sample_tokens(logits, u, st.temp, st.top_p, st.mode))
             st.slot.add_(1)
             st.step.add_(1)
+            steps += 1
+            if t % self.check_every == 0 and bool(st.done.all()):
+                break
+        return steps
+
+    def _decode_graph(self, plan: Plan, st: State, ctx: TorchContext, T: int) -> int:
+        if self.use_cuda_graph and plan.device.type == "cuda" and st.graph is None:
+            decode.capture(plan, st, ctx, self._stream(plan.device, "warm-up"))
+        steps = 0
+        for t in range(1, T):
+            if self.max_decode_steps is not None and steps >= self.max_decode_steps:
+                break
+            if st.graph is not None:
+                st.graph.replay()
+            else:
+                decode.step(plan, st, ctx)
             steps += 1
             if t % self.check_every == 0 and bool(st.done.all()):
                 break

@@ -64,12 +64,6 @@ class GroupGemm:
         that lets the LoRA start beside it), else ``None`` (the whole GPU, the LoRA first)."""
         return sms if sms is not None and self.group.r_total and self.uses_humming(rows) else None
 
-    def prefetch_tensors(self, rows: int) -> list[torch.Tensor]:
-        """The weight tensors this group's GEMM reads at ``rows`` that an L2 prefetch can bring
-        in ahead of it (:mod:`qerl.rollout.fast.prefetch`): humming's prepared copy where
-        humming runs it, else none (the dequantize path writes a scratch copy first)."""
-        return self.humming.tensors() if self.uses_humming(rows) else []
-
     def _impl(self) -> str:
         return "triton" if dequant.HAS_TRITON and self.backend != "torch" else "torch"
 

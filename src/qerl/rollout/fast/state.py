@@ -48,8 +48,6 @@ class State:
     pdl: bool = False  # decode kernels with programmatic dependent launch (pdl.pdl_supported)
     gemm_sms: int | None = None  # humming's multiprocessors when the fused LoRA runs beside it
     lora_end_wait: str = "one"  # beside the GEMM: which LoRA programs wait at their end
-    # L2 prefetches of the decode step: (point, layer) -> prefetch.L2Prefetch (see that module)
-    prefetch: dict = field(default_factory=dict)
     side: torch.cuda.Stream | None = None
     graph: object = None
 
