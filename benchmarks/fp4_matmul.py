@@ -14,6 +14,12 @@ path) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old m
     python benchmarks/fp4_matmul.py --model 7b --ms 1,16,64,256 --json fp4_matmul.json
     python benchmarks/fp4_matmul.py --crossover --ms 64,128,256,512,1024,2048   # humming vs dequant
     python benchmarks/fp4_matmul.py --train    # training autograd: forward+backward, peak memory
+    python benchmarks/fp4_matmul.py --overhead --ms 1,64   # what a small humming GEMM costs besides bytes
+
+``--overhead``: humming's NVFP4 GEMM (bf16-scale layout, as the engine runs it) on N x 3584 from
+N = 256 (almost no bytes) to the 7B q/k/v and down widths, back-to-back calls without and with
+programmatic dependent launch (each call may then start while the one before it finishes), and an
+empty kernel (``torch.cuda._sleep(0)``) for a graph's cost per kernel: us a call, cold weights.
 """
 
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
@@ -178,6 +184,42 @@ def run_shapes(args, results: dict, dump, legacy) -> None:
                 print(json.dumps(cell), flush=True)
 
 
+def run_overhead(args, results: dict, dump) -> None:
+    """The ``--overhead`` table (see the module docstring)."""
+    from qerl.kernels.humming_gemm import HummingFp4
+
+    k = 3584
+    cells = [{"shape": "empty kernel", "n": 0, "k": 0, "m": 0, "pdl": False,
+              "us": graph_time([lambda: torch.cuda._sleep(0)] * 32) * 1e6, "weight_bytes": 0}]
+    print(json.dumps(cells[0]), flush=True)
+    for n in (256, 1024, 4608, 18944):
+        base = _fp4(n, k, "nvfp4")
+        gs = [HummingFp4("nvfp4", [(base["weight_packed"], base["weight_scale"],
+                                    base["weight_global_scale"])], layout="bf16_scales")
+              for _ in range(_copies(_fp4_bytes(base)))]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for pdl in (False, True):
+                cell = {"shape": f"{n}x{k}", "n": n, "k": k, "m": m, "pdl": pdl,
+                        "weight_bytes": gs[0].nbytes()}
+                try:
+                    cell["us"] = graph_time([lambda g=g: g(x, pdl=pdl) for g in gs]) * 1e6
+                except Exception as e:  # noqa: BLE001 - record it and go on
+                    cell["error"] = f"{type(e).__name__}: {e}"[:300]
+                cells.append(cell)
+                print(json.dumps(cell), flush=True)
+        del gs
+        torch.cuda.empty_cache()
+    results["cells"] += cells
+    dump()
+    print("\n| shape | M | PDL | us a call | GB/s |")
+    print("|---|---|---|---|---|")
+    for c in cells:
+        if "us" in c:
+            print(f"| {c['shape']} | {c['m']} | {c['pdl']} | {c['us']:.2f} | "
+                  f"{c['weight_bytes'] / c['us'] * 1e-3:.0f} |")
+
+
 def run_train(results: dict, dump) -> None:
     """Forward + backward of a stack of FP4 layers at training size: the autograd function
     against plain autograd on the torch-dequantized weight (which saves every weight)."""
@@ -235,6 +277,8 @@ def main() -> None:  # pragma: no cover - GPU only
     ap.add_argument("--crossover", action="store_true",
                     help="only humming vs Triton dequantize + cuBLAS (the humming_max_m choice)")
     ap.add_argument("--train", action="store_true", help="only the training autograd timing")
+    ap.add_argument("--overhead", action="store_true",
+                    help="only humming's cost per call from tiny to 7B widths, with and without PDL")
     ap.add_argument("--legacy", default=None, help="path of the old Triton FP4 module to compare")
     ap.add_argument("--json", default="fp4_matmul.json")
     args = ap.parse_args()
@@ -266,6 +310,9 @@ def main() -> None:  # pragma: no cover - GPU only
 
     if args.train:
         run_train(results, dump)
+    elif args.overhead:
+        run_overhead(args, results, dump)
+        return
     else:
         run_shapes(args, results, dump, legacy)
     print("\n| shape | M | method | us | GB/s | % copy bw | rel err |")

@@ -77,6 +77,9 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --layouts bf16_scales --ms ${TUNE_MS:-1,64} ${TUNE_ONLY:+--only $TUNE_ONLY} --search wide \
         ${TUNE_SMS:+--sms $TUNE_SMS} --shape-budget-s ${TUNE_SHAPE_S:-60} --budget-s $(( ${TUNE_TIMEOUT:-300} - 15 )) \
         --json "$OUT/tune_wide_$(echo "${TUNE_MODELS:-7b}_${TUNE_MS:-1,64}_${TUNE_ONLY:-all}${TUNE_SMS:+_sms$TUNE_SMS}" | tr , -).json" ;;
+    overhead)  # what a small humming GEMM costs besides its bytes (fp4_matmul.py --overhead)
+      timeout ${OVERHEAD_TIMEOUT:-90} python3 benchmarks/fp4_matmul.py --overhead --ms ${OVERHEAD_MS:-1,64} \
+        --json "$OUT/fp4_overhead.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)
