@@ -171,9 +171,9 @@ def _tune_m(shape: _Shape, m: int, heur: dict, cached: dict | None, extra: list[
         """Compile (``forced``: whatever the deadline and humming's checks), check and time the
         new ones, in one parallel batch."""
         todo: dict[str, dict] = {}
-        must = {config_string(on_sms(c, sms)) for c in forced}
-        for c in (on_sms(c, sms) for c in [*forced, *cands]):
-            s = config_string(c)
+        capped = [(config_string(c), c) for c in (on_sms(c, sms) for c in [*forced, *cands])]
+        must = {s for s, _ in capped[:len(forced)]}
+        for s, c in capped:
             if s not in timed and shape.compiled.get(s) is not False \
                     and (s in must or shape.legal(c)):
                 todo.setdefault(s, c)
