@@ -27,10 +27,7 @@ multiprocessors, ``lora_sms=4`` / ... / ``16``;
 ``_allwait`` (beside the GEMM, one LoRA program waiting for it at its end, or all of them,
 ``lora_end_wait="one"`` / ``"all"``; "one" is the default since run 40),
 ``fast_nvfp4_lora_split2`` / ``_split4`` / ``_split6`` (the decode attention's KV slots in that
-many splits, ``FastEngine(attention_splits=...)``; the default chooses), ``fast_bf16_inline`` /
-``fast_nvfp4_inline`` / ``fast_nvfp4_lora_inline`` (the ``inline`` decode step: no LoRA launch,
-each shrink summed by the kernel that writes its GEMM's input and expanded by the one that reads
-its output, RMSNorm column-parallel, ``FastEngine(lora_kernel="inline")``). Per cell: tokens/s
+many splits, ``FastEngine(attention_splits=...)``; the default chooses). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -93,10 +90,8 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_allwait": dict(lora_end_wait="all"),
                        "fast_nvfp4_lora_split2": dict(attention_splits=2),
                        "fast_nvfp4_lora_split4": dict(attention_splits=4),
-                       "fast_nvfp4_lora_split6": dict(attention_splits=6),
-                       "fast_nvfp4_lora_inline": dict(lora_kernel="inline")}
+                       "fast_nvfp4_lora_split6": dict(attention_splits=6)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl",
-                 "fast_bf16_inline", "fast_nvfp4_inline",
                  *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
@@ -295,8 +290,7 @@ def run_fast(model, B: int, N: int, vocab: int, **engine_kw) -> dict:
 CHECK = False
 PROFILE = False
 FAMILIES = [("humming", "humming"), ("lora_kernel", "fused LoRA"), ("qkv_rope", "rope+qkv epi"),
-            ("add_rmsnorm", "add+rmsnorm"), ("add_norm_cols", "add+rmsnorm"),
-            ("attn_decode", "attention"),
+            ("add_rmsnorm", "add+rmsnorm"), ("attn_decode", "attention"),
             ("silu_mul", "silu-mul"), ("fp4_dequant", "fp4 dequant"),
             ("gemm", "cuBLAS"), ("gemv", "cuBLAS"), ("xmma", "cuBLAS"), ("cutlass", "cuBLAS"),
             ("nvjet", "cuBLAS")]
@@ -474,9 +468,6 @@ def main() -> None:
             record("fast_bf16", lambda: run_fast(model, B, N, V), model)
         if "fast_bf16_nopdl" in cols:
             record("fast_bf16_nopdl", lambda: run_fast(model, B, N, V, pdl=False), model)
-        if "fast_bf16_inline" in cols:
-            record("fast_bf16_inline", lambda: run_fast(model, B, N, V, lora_kernel="inline"),
-                   model)
         if any(c.startswith(("fast_nvfp4", "fast_mxfp4")) or c == "hf_nf4" for c in cols):
             from qerl.quant.linear import quantize_model_
 
@@ -489,9 +480,6 @@ def main() -> None:
             record("fast_nvfp4", lambda: run_fast(model, B, N, V), model)
         if "fast_nvfp4_nopdl" in cols:
             record("fast_nvfp4_nopdl", lambda: run_fast(model, B, N, V, pdl=False), model)
-        if "fast_nvfp4_inline" in cols:
-            record("fast_nvfp4_inline", lambda: run_fast(model, B, N, V, lora_kernel="inline"),
-                   model)
         if "fast_nvfp4_ct" in cols:
             record("fast_nvfp4_ct", lambda: run_fast(model, B, N, V, humming_layout="ct"), model)
         if any(c.startswith("fast_nvfp4_lora") for c in cols):

@@ -72,49 +72,6 @@ def test_add_rmsnorm_with_epilogue(dt, cs, bias, lora, one_pass_max) -> None:
         < TOL[dt]
 
 
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("m,hid,r_in,r_out,add", [(1, 320, 12, 40, True), (21, 200, 0, 8, True),
-                                                 (3, 256, 0, 0, False)])
-def test_add_norm_cols_sums_and_shrinks(dt, m, hid, r_in, r_out, add) -> None:
-    """The ``inline`` step's column-parallel norm: ``h`` gets the epilogue (its LoRA expanded
-    from float32 shrink sums), ``out = h * w``, the row sums of squares and the next group's
-    shrink are added into buffers that already hold something (atomics add, never overwrite)."""
-    g = torch.Generator(device=DEV).manual_seed(m + hid)
-    h = torch.randn(m, hid, device=DEV, generator=g).to(dt)
-    w = (torch.rand(hid, device=DEV, generator=g) + 0.5).to(dt)
-    raw = torch.randn(m, hid, device=DEV, generator=g).to(dt)
-    cs = torch.rand(hid, device=DEV, generator=g) + 0.5
-    xa_in = torch.randn(m, max(r_in, 1), device=DEV, generator=g)[:, :r_in]
-    b_in = (torch.randn(hid, max(r_in, 1), device=DEV, generator=g) * 0.2).to(dt)[:, :r_in]
-    a_out = (torch.randn(max(r_out, 1), hid, device=DEV, generator=g) * 0.2).to(dt)[:r_out]
-    epi = None
-    d_ref = torch.zeros(m, hid, device=DEV)
-    if add:
-        il = K.Inline(xa=xa_in.contiguous(), b_full=b_in.contiguous(), windows=((0, r_in),)) \
-            if r_in else None
-        epi = K.Epilogue(raw=raw, col_scale=cs, inline=il)
-        d_ref = raw.float() * cs
-        if r_in:
-            d_ref = d_ref + xa_in.to(dt).float() @ b_in.float().t()
-    h_ref = (h.float() + d_ref.to(dt).float()).to(dt)
-    ss = torch.full((m,), 2.0, device=DEV)
-    xa_out = torch.ones(m, max(r_out, 1), device=DEV)[:, :r_out].contiguous()
-    x = K.add_norm_cols(h, w, ss, epi, (a_out.contiguous(), xa_out) if r_out else None)
-    x_ref = (h_ref.float() * w.float()).to(dt)
-    assert _rel(h, h_ref) < TOL[dt] and _rel(x, x_ref) < TOL[dt]
-    assert _rel(ss, 2.0 + h_ref.float().pow(2).sum(-1)) < TOL[dt]
-    if r_out:
-        assert _rel(xa_out, 1.0 + x_ref.float() @ a_out.float().t()) < TOL[dt]
-    # rstd applied downstream gives the RMSNorm the other step computes
-    rstd = torch.rsqrt((ss - 2.0) / hid + 1e-6)
-    hf = h_ref.float()
-    norm_ref = w.float() * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6))
-    assert _rel(x.float() * rstd[:, None], norm_ref) < TOL[dt]
-    h2 = h.clone()
-    assert K.add_norm_cols(h2, None, None, epi) is None and (  # the final norm's addition only
-        _rel(h2, (h.float() + d_ref.to(dt).float()).to(dt)) < TOL[dt])
-
-
 def _rot(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], -1)
@@ -171,25 +128,6 @@ def test_attention_over_filled_slots(dt, splits, slot) -> None:
         w = torch.softmax((q[b].float().unsqueeze(1) @ kk.transpose(1, 2)) * 0.2, -1)
         ref[b] = (w @ vv).squeeze(1)
     assert _rel(out, ref.reshape(m, hq * d)) < TOL[dt]
-
-
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("splits", [1, 3])
-def test_attention_adds_the_o_shrink(dt, splits) -> None:
-    """With ``shrink``, the kernel writing the attention output (the decode kernel, or the
-    merge of the splits) adds ``out a^T`` into the float32 sums."""
-    m, hq, hkv, d, cap, slot, r = 3, 8, 2, 32, 128, 50, 20
-    g = torch.Generator(device=DEV).manual_seed(5)
-    q = torch.randn(m, hq, d, device=DEV, generator=g).to(dt)
-    kc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
-    vc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
-    pad = torch.tensor([0, 7, 30], device=DEV, dtype=torch.int32)
-    a = (torch.randn(r, hq * d, device=DEV, generator=g) * 0.2).to(dt)
-    xa = torch.full((m, r), 0.5, device=DEV)
-    sl = torch.tensor([slot], device=DEV, dtype=torch.int32)
-    out = K.attention(q, kc, vc, sl, pad, 0.2, splits, shrink=(a, xa))
-    assert _rel(out, K.attention(q, kc, vc, sl, pad, 0.2, splits)) < TOL[dt]
-    assert _rel(xa, 0.5 + out.float() @ a.float().t()) < TOL[dt]
 
 
 @pytest.mark.parametrize("dt", DTYPES)

@@ -108,78 +108,8 @@ def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor
     return epis
 
 
-def _windows(g: Group) -> tuple:
-    """Each member's ``(first rank, ranks)`` in the group's ``a_cat`` / ``b_full``."""
-    out, r = [], 0
-    for m in g.members:
-        out.append((r, m.lora_r))
-        r += m.lora_r
-    return tuple(out)
-
-
-def _inline_epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], rows: int,
-                      xa: torch.Tensor | None, ss: torch.Tensor | None = None,
-                      n_ss: int = 1, eps: float = 0.0) -> list[K.Epilogue]:
-    """The group's epilogues in the ``inline`` step: its LoRA expanded from the shrink sums
-    ``xa`` (when it has adapters) and, with ``ss``, the deferred RMSNorm of its input."""
-    il = K.Inline(ss=ss, n_ss=n_ss, eps=eps, xa=xa if g.r_total else None,
-                  b_full=g.b_full if g.r_total else None, windows=_windows(g))
-    epis = _epilogues(ctx, g, raws, None, rows)
-    for e in epis:
-        e.inline = il
-    return epis
-
-
-def _shrink(g: Group, xa: torch.Tensor | None) -> tuple | None:
-    return (g.a_cat, xa) if g.r_total else None
-
-
-def _step_inline(plan: Plan, st: State, ctx: TorchContext) -> None:
-    """The ``inline`` decode step: no LoRA launch and every GEMM on the whole GPU. Each LoRA's
-    shrink is summed (float32 atomics) by the kernel that writes its GEMM's input (the norms,
-    the attention, SiLU-mul) and expanded by the kernel that reads its output; RMSNorm before
-    q/k/v and gate/up is column-parallel, its ``1 / rms`` applied by their consumers
-    (:class:`qerl.rollout.fast.kernels.Inline`). The sums start from zero each step (one
-    memset)."""
-    rows, pdl = st.n_rows, st.pdl
-    st.inline_acc.zero_()
-    h = F.embedding(st.tok, plan.embed)
-    prev = None
-    for li, lay in enumerate(plan.layers):
-        b = st.inline[li]
-        x = K.add_norm_cols(h, lay.ln1, b["ss1"], prev, _shrink(lay.qkv, b.get("qkv")), pdl=pdl)
-        q, k, v = _inline_epilogues(ctx, lay.qkv, _raw(ctx, lay.qkv, x, pdl), rows, b.get("qkv"),
-                                    b["ss1"], plan.hidden, lay.eps1)
-        qr = K.qkv_rope(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot, st.pad,
-                        plan.rope_scale, plan.n_heads, plan.n_kv, plan.head_dim, pdl=pdl)
-        ao = K.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling, st.attn_splits,
-                         pdl=pdl, shrink=_shrink(lay.o, b.get("o")))
-        (o,) = _inline_epilogues(ctx, lay.o, _raw(ctx, lay.o, ao, pdl), rows, b.get("o"))
-        x = K.add_norm_cols(h, lay.ln2, b["ss2"], o, _shrink(lay.gu, b.get("gu")), pdl=pdl)
-        g, u = _inline_epilogues(ctx, lay.gu, _raw(ctx, lay.gu, x, pdl), rows, b.get("gu"),
-                                 b["ss2"], plan.hidden, lay.eps2)
-        act = K.silu_mul(g, u.raw, pdl=pdl, shrink=_shrink(lay.down, b.get("down")))
-        (prev,) = _inline_epilogues(ctx, lay.down, _raw(ctx, lay.down, act, pdl), rows,
-                                    b.get("down"))
-    K.add_norm_cols(h, None, None, prev, pdl=pdl)
-    x = K.add_rmsnorm(h, plan.norm, plan.norm_eps, None, pdl=pdl)
-    _finish(plan, st, ctx, x)
-
-
-def _finish(plan: Plan, st: State, ctx: TorchContext, x: torch.Tensor) -> None:
-    """The LM head, sampling and the step's bookkeeping."""
-    (logits,) = group_forward(ctx, plan.lm_head, x)
-    u = st.u.index_select(0, st.step).squeeze(0)
-    record(st, *sample_tokens(logits, u, st.temp, st.top_p, st.mode))
-    st.slot.add_(1)
-    st.step.add_(1)
-
-
 def step(plan: Plan, st: State, ctx: TorchContext) -> None:
     """One decode step for all ``st.n_rows`` rows (see the module docstring)."""
-    if st.inline is not None:
-        _step_inline(plan, st, ctx)
-        return
     rows, pdl = st.n_rows, st.pdl
     h = F.embedding(st.tok, plan.embed)
     prev = None
@@ -196,7 +126,11 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
         act = K.silu_mul(g, u.raw, pdl=pdl)
         (prev,) = _finished(st, ctx, "down", lay.down, act, rows)
     x = K.add_rmsnorm(h, plan.norm, plan.norm_eps, prev, pdl=pdl)
-    _finish(plan, st, ctx, x)
+    (logits,) = group_forward(ctx, plan.lm_head, x)
+    u = st.u.index_select(0, st.step).squeeze(0)
+    record(st, *sample_tokens(logits, u, st.temp, st.top_p, st.mode))
+    st.slot.add_(1)
+    st.step.add_(1)
 
 
 def capture(plan: Plan, st: State, ctx: TorchContext, warm: torch.cuda.Stream) -> None:

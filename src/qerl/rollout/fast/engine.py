@@ -65,10 +65,7 @@ class FastEngine:
         lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
             :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
             most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
-            ``"cublas"``: two cuBLAS GEMMs a group always; ``"inline"`` (the ``triton`` backend,
-            any rows): no LoRA launch -- the decode step's own kernels sum each shrink and
-            expand each output, RMSNorm column-parallel with its ``1 / rms`` applied by the
-            consumers (:func:`qerl.rollout.fast.decode.step`), every GEMM on the whole GPU.
+            ``"cublas"``: two cuBLAS GEMMs a group always.
         fused_lora_max_rows: the most rows of a wave for the fused LoRA (1 to ``lora.MAX_ROWS``).
         humming_layout: humming's copy of NVFP4 (:mod:`qerl.kernels.humming_gemm`): ``"ct"``
             (E4M3 group scales, as stored) or ``"bf16_scales"`` (bf16 ones; 3-4 % faster).
@@ -107,7 +104,7 @@ class FastEngine:
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
                  lora_sms: int = 8, lora_end_wait: str = "one") -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
-        choice("lora_kernel", lora_kernel, ("fused", "cublas", "inline"))
+        choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
         int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
         if attention_splits is not None:
@@ -258,8 +255,7 @@ class FastEngine:
                            "parked_gib": self._parking.nbytes() / GiB, "rows": N,
                            "prompt_len": P, "waves": len(parts), "wave_rows": W, **stats,
                            "total_s": time.perf_counter() - t0, "cuda_graph": st.graph is not None,
-                           "lora_kernel": "inline" if st.inline is not None
-                           else "fused" if st.lora_fused is not None
+                           "lora_kernel": "fused" if st.lora_fused is not None
                            else ("cublas" if st.lora_out else "none"),
                            "lora_stream": "side" if st.side is not None else "main",
                            "pdl": st.pdl, "gemm_sms": st.gemm_sms}
@@ -349,8 +345,7 @@ class FastEngine:
         fused = (self.lora_kernel == "fused" and backend == "triton"
                  and rows <= self.fused_lora_max_rows
                  and any(g.r_total for g in plan.groups()) and fused_lora_ok(plan.device, plan.dtype))
-        inline = self.lora_kernel == "inline" and backend == "triton"
-        st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused, inline)
+        st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused)
         overlap = self.lora_overlap  # default: a side stream for the cuBLAS pair only
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None

@@ -29,8 +29,8 @@ import torch
 
 from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton  # the one Triton import
 
-__all__ = ["HAS_TRITON", "Epilogue", "Inline", "add_norm_cols", "add_rmsnorm", "attention",
-           "attention_splits", "qkv_rope", "silu_mul"]
+__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "qkv_rope",
+           "silu_mul"]
 
 
 def np2(x: int) -> int:
@@ -49,32 +49,6 @@ class Epilogue:
     col_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     lora: torch.Tensor | None = None
-    inline: Inline | None = None  # the LoRA and norm of the ``inline`` decode step
-
-
-@dataclass
-class Inline:
-    """What a consumer kernel of the ``inline`` decode step finishes a raw output with, besides
-    :class:`Epilogue`'s vectors:
-
-    * ``ss`` (float32 ``[M]``, the row sums of squares of the RMSNorm's input; ``None``: the
-      GEMM's input carries no deferred norm): the GEMM ran on ``h * w`` unnormalised, so its
-      output (and the LoRA's) is multiplied by ``rsqrt(ss / n_ss + eps)`` here;
-    * ``xa`` (float32 ``[M, R]``, the shrink ``x a_cat^T`` summed by the kernel that wrote the
-      GEMM's input) and ``b_full [N, R]``: the LoRA output ``bf16(xa * rstd) b_full^T`` is
-      computed here, per tile; ``windows``: per member, its first rank and its ranks.
-    """
-
-    ss: torch.Tensor | None = None
-    n_ss: int = 1
-    eps: float = 0.0
-    xa: torch.Tensor | None = None
-    b_full: torch.Tensor | None = None
-    windows: tuple = ()
-
-    def rank_pad(self) -> int:
-        """The rank tile every expand reads (a power of two, at least 16: ``tl.dot``'s least)."""
-        return max(16, np2(max((w for _, w in self.windows), default=1)))
 
 
 # Rows a program of the RoPE and SiLU-mul kernels takes, at any row count: with 64 rows a program
@@ -89,104 +63,17 @@ if HAS_TRITON:
     @triton.jit
     def _epilogue(raw_ptr, sr, rows, rmask, lcol, gcol, cmask, cs_ptr, b_ptr, lo_ptr, slo,
                   HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                  DT: tl.constexpr, xa_ptr, sxa, bf_ptr, R, r0, rw, rstd, INLINE: tl.constexpr,
-                  NORM: tl.constexpr, RP: tl.constexpr):
-        """``raw * col_scale (* rstd) + bias + LoRA`` of a ``[rows, cols]`` tile, rounded to
-        ``DT`` once (returned as float32); the LoRA a materialised ``lo`` (``HAS_LORA``) or
-        expanded here from the shrink sums (``INLINE``: :func:`_expand`); ``NORM``: ``rstd``
-        (``[rows]``) is the deferred RMSNorm's (see :class:`Inline`)."""
+                  DT: tl.constexpr):
         m2 = rmask[:, None] & cmask[None, :]
         r64 = rows[:, None].to(tl.int64)
         y = tl.load(raw_ptr + r64 * sr + lcol[None, :], mask=m2, other=0.0).to(tl.float32)
         if HAS_CS:
             y = y * tl.load(cs_ptr + gcol, mask=cmask, other=0.0)[None, :]
-        if NORM:
-            y = y * rstd[:, None]
         if HAS_BIAS:
             y = y + tl.load(b_ptr + gcol, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if HAS_LORA:
             y = y + tl.load(lo_ptr + r64 * slo + gcol[None, :], mask=m2, other=0.0).to(tl.float32)
-        if INLINE:
-            y = y + _expand(xa_ptr, sxa, bf_ptr, R, r0, rw, rows, rmask, gcol, cmask, rstd, NORM,
-                            RP, DT)
         return y.to(DT).to(tl.float32)
-
-    @triton.jit
-    def _expand(xa_ptr, sxa, bf_ptr, R, r0, rw, rows, rmask, gcol, cmask, rstd,
-                NORM: tl.constexpr, RP: tl.constexpr, DT: tl.constexpr):
-        """A tile of the LoRA output: ``bf16(xa[rows, r0:r0+rw] * rstd) @ b_full[gcol,
-        r0:r0+rw]^T`` in float32 (the shrink rounded to the model dtype where the two-GEMM path
-        rounds it; ``rw == 0``: zeros)."""
-        rr = tl.arange(0, RP)
-        rm = rr < rw
-        xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * sxa + r0 + rr[None, :],
-                     mask=rmask[:, None] & rm[None, :], other=0.0)
-        if NORM:
-            xa = xa * rstd[:, None]
-        bt = tl.load(bf_ptr + gcol[None, :].to(tl.int64) * R + r0 + rr[:, None],
-                     mask=rm[:, None] & cmask[None, :], other=0.0)
-        return tl.dot(xa.to(DT), bt.to(DT))
-
-    @triton.jit
-    def _shrink_into(x, a_ptr, sa, cols, cmask, xa_ptr, sxa, rows, rmask, RN,
-                     RPN: tl.constexpr, DT: tl.constexpr):
-        """Add this tile's share of the shrink, ``x[rows, cols] @ a[:, cols]^T``, into the
-        float32 sums ``xa[rows, :RN]`` (atomic additions: every program of the grid adds its
-        columns' share)."""
-        rr = tl.arange(0, RPN)
-        rm = rr < RN
-        at = tl.load(a_ptr + rr[None, :].to(tl.int64) * sa + cols[:, None],
-                     mask=cmask[:, None] & rm[None, :], other=0.0)
-        part = tl.dot(x.to(DT), at.to(DT))
-        tl.atomic_add(xa_ptr + rows[:, None].to(tl.int64) * sxa + rr[None, :], part,
-                      mask=rmask[:, None] & rm[None, :])
-
-    @triton.jit
-    def _rstd(ss_ptr, rows, rmask, n_ss, eps, NORM: tl.constexpr):
-        """The deferred RMSNorm's ``1 / rms`` of ``rows`` (ones without ``NORM``)."""
-        if NORM:
-            r = tl.rsqrt(tl.load(ss_ptr + rows, mask=rmask, other=0.0) / n_ss + eps)
-        else:
-            r = tl.full(rows.shape, 1.0, tl.float32)
-        return r
-
-    @triton.jit
-    def _add_norm_cols_kernel(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, xa_ptr, sxa, bf_ptr, R, rw,
-                              w_ptr, out_ptr, ss_ptr, a_ptr, xn_ptr, sxn, RN, M, H,
-                              HAS_ADD: tl.constexpr, HAS_CS: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, INLINE: tl.constexpr,
-                              NORM_OUT: tl.constexpr, SHRINK: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, RP: tl.constexpr, RPN: tl.constexpr,
-                              PDL: tl.constexpr):
-        """A ``[BM, BN]`` tile: ``h += epilogue(d)`` (its LoRA expanded here); with
-        ``NORM_OUT`` the tile's share of the row sums of squares of ``h`` into ``ss``, ``out =
-        h * w`` (RMSNorm's input times its weight: the 1/rms is applied by the consumers of the
-        GEMM's output) and, with ``SHRINK``, its share of the next group's shrink
-        ``out a^T`` into ``xn``."""
-        pdl_enter(PDL)
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        rmask = rows < M
-        cm = cols < H
-        m2 = rmask[:, None] & cm[None, :]
-        dt = h_ptr.dtype.element_ty
-        hp = h_ptr + rows[:, None].to(tl.int64) * H + cols[None, :]
-        h = tl.load(hp, mask=m2, other=0.0)
-        if HAS_ADD:
-            ones = tl.full((BM,), 1.0, tl.float32)
-            d = _epilogue(d_ptr, sd, rows, rmask, cols, off + cols, cm, cs_ptr, b_ptr, b_ptr, 0,
-                          HAS_CS, HAS_BIAS, False, dt, xa_ptr, sxa, bf_ptr, R, 0, rw, ones,
-                          INLINE, False, RP)
-            h = (h.to(tl.float32) + d).to(dt)
-            tl.store(hp, h, mask=m2)
-        if NORM_OUT:
-            hf = h.to(tl.float32)
-            tl.atomic_add(ss_ptr + rows, tl.sum(hf * hf, axis=1), mask=rmask)
-            w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            x = (hf * w[None, :]).to(dt)
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], x, mask=m2)
-            if SHRINK:
-                _shrink_into(x, a_ptr, H, cols, cm, xn_ptr, sxn, rows, rmask, RN, RPN, dt)
 
     @triton.jit
     def _added(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, row, base, offs, cm, dt,
@@ -249,12 +136,10 @@ if HAS_TRITON:
     @triton.jit
     def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, sq, sk, sv, cs_ptr, b_ptr, lo_ptr, slo,
                          qo_ptr, kc_ptr, vc_ptr, skb, skh, skl, invf_ptr, slot_ptr, pad_ptr,
-                         rope_scale, M, xa_ptr, sxa, bf_ptr, R, rq0, rqw, rk0, rkw, rv0, rvw,
-                         ss_ptr, n_ss, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                         D: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr,
-                         HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                         INLINE: tl.constexpr, NORM: tl.constexpr, RP: tl.constexpr,
-                         BM: tl.constexpr, PDL: tl.constexpr):
+                         rope_scale, M, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         HALF: tl.constexpr, HALFP: tl.constexpr, HAS_CS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr,
+                         PDL: tl.constexpr):
         pdl_enter(PDL)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         h = tl.program_id(1)
@@ -269,15 +154,12 @@ if HAS_TRITON:
         s = tl.sin(f) * rope_scale
         m2 = rmask[:, None] & im[None, :]
         r64 = rows[:, None].to(tl.int64)
-        rstd = _rstd(ss_ptr, rows, rmask, n_ss, eps, NORM)
         if h < HQ:
             col = h * D + i
             x1 = _epilogue(q_ptr, sq, rows, rmask, col, col, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt, xa_ptr, sxa, bf_ptr, R, rq0, rqw, rstd,
-                           INLINE, NORM, RP)
+                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
             x2 = _epilogue(q_ptr, sq, rows, rmask, col + HALF, col + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt, xa_ptr, sxa, bf_ptr, R,
-                           rq0, rqw, rstd, INLINE, NORM, RP)
+                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
             dst = qo_ptr + (r64 * HQ + h) * D + i[None, :]
             tl.store(dst, (x1 * c - x2 * s).to(dt), mask=m2)
             tl.store(dst + HALF, (x2 * c + x1 * s).to(dt), mask=m2)
@@ -286,18 +168,14 @@ if HAS_TRITON:
             col = kh * D + i
             gk = HQ * D + col
             k1 = _epilogue(k_ptr, sk, rows, rmask, col, gk, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt, xa_ptr, sxa, bf_ptr, R, rk0, rkw, rstd,
-                           INLINE, NORM, RP)
+                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
             k2 = _epilogue(k_ptr, sk, rows, rmask, col + HALF, gk + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt, xa_ptr, sxa, bf_ptr, R,
-                           rk0, rkw, rstd, INLINE, NORM, RP)
+                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
             gv = gk + HKV * D
             v1 = _epilogue(v_ptr, sv, rows, rmask, col, gv, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt, xa_ptr, sxa, bf_ptr, R, rv0, rvw, rstd,
-                           INLINE, NORM, RP)
+                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
             v2 = _epilogue(v_ptr, sv, rows, rmask, col + HALF, gv + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt, xa_ptr, sxa, bf_ptr, R,
-                           rv0, rvw, rstd, INLINE, NORM, RP)
+                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
             koff = r64 * skb + kh * skh + slot.to(tl.int64) * skl + i[None, :]
             tl.store(kc_ptr + koff, (k1 * c - k2 * s).to(dt), mask=m2)
             tl.store(kc_ptr + koff + HALF, (k2 * c + k1 * s).to(dt), mask=m2)
@@ -306,14 +184,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _attn_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr, slot_ptr, pad_ptr,
-                            qk_scale, skb, skh, skl, so, a_ptr, xa_ptr, sxa, RN,
-                            HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                            D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr, S: tl.constexpr,
-                            SHRINK: tl.constexpr, RPN: tl.constexpr, PDL: tl.constexpr):
+                            qk_scale, skb, skh, skl, so, HQ: tl.constexpr, G: tl.constexpr,
+                            GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                            BL: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr):
         """Row ``b``, KV head ``kh``, split ``s`` of ``S``: online softmax over the split's share
-        of the row's filled slots. ``S == 1``: the normalised output (with ``SHRINK``, its share
-        of the o group's LoRA shrink added into ``xa``); else the split's running max, sum and
-        unnormalised output go to the partial buffers for ``_attn_combine_kernel``."""
+        of the row's filled slots. ``S == 1``: the normalised output; else the split's running
+        max, sum and unnormalised output go to the partial buffers for ``_attn_combine_kernel``."""
         pdl_enter(PDL)
         b = tl.program_id(0)
         kh = tl.program_id(1)
@@ -352,19 +228,8 @@ if HAS_TRITON:
             m_i = m_new
         if S == 1:
             col = (kh * G + offs_g)[:, None] * D + offs_d[None, :]
-            o = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
-            tl.store(o_ptr + b.to(tl.int64) * so + col, o, mask=qmask)
-            if SHRINK:
-                rr = tl.arange(0, RPN)
-                rm = rr < RN
-                of = tl.where(qmask, o.to(tl.float32), 0.0)
-                part = tl.zeros((RPN,), dtype=tl.float32)
-                for g in tl.static_range(G):  # head g of the group: a [R, D] slice of a_cat
-                    og = tl.sum(tl.where((offs_g == g)[:, None], of, 0.0), axis=0)
-                    at = tl.load(a_ptr + rr[:, None].to(tl.int64) * (HQ * D) + (kh * G + g) * D
-                                 + offs_d[None, :], mask=rm[:, None] & dmask[None, :], other=0.0)
-                    part += tl.sum(at.to(tl.float32) * og[None, :], axis=1)
-                tl.atomic_add(xa_ptr + b.to(tl.int64) * sxa + rr, part, mask=rm)
+            tl.store(o_ptr + b.to(tl.int64) * so + col,
+                     (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
         else:
             prow = qrow * S + sp  # partials [M, HQ, S] and [M, HQ, S, D], float32
             gm = offs_g < G
@@ -373,13 +238,11 @@ if HAS_TRITON:
             tl.store(o_ptr + prow[:, None] * D + offs_d[None, :], acc, mask=qmask)
 
     @triton.jit
-    def _attn_combine_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, so, a_ptr, xa_ptr, sxa, RN,
-                             HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                             S: tl.constexpr, SP: tl.constexpr, SHRINK: tl.constexpr,
-                             RPN: tl.constexpr, PDL: tl.constexpr):
+    def _attn_combine_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, so, HQ: tl.constexpr,
+                             D: tl.constexpr, DP: tl.constexpr, S: tl.constexpr,
+                             SP: tl.constexpr, PDL: tl.constexpr):
         """Row ``b``, query head ``h``: the splits' partial softmaxes merged (empty splits have
-        max ``-inf`` and weigh nothing); ``SHRINK``: the head's share of the o group's LoRA
-        shrink added into ``xa``."""
+        max ``-inf`` and weigh nothing)."""
         pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -393,24 +256,13 @@ if HAS_TRITON:
         w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
         acc = tl.load(pacc_ptr + prow[:, None] * D + offs_d[None, :],
                       mask=smask[:, None] & (offs_d < D)[None, :], other=0.0)
-        out = (tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)).to(
-            o_ptr.dtype.element_ty)
-        tl.store(o_ptr + b.to(tl.int64) * so + h * D + offs_d, out, mask=offs_d < D)
-        if SHRINK:
-            rr = tl.arange(0, RPN)
-            rm = rr < RN
-            at = tl.load(a_ptr + rr[:, None].to(tl.int64) * (HQ * D) + h * D + offs_d[None, :],
-                         mask=rm[:, None] & (offs_d < D)[None, :], other=0.0)
-            of = tl.where(offs_d < D, out.to(tl.float32), 0.0)
-            tl.atomic_add(xa_ptr + b.to(tl.int64) * sxa + rr,
-                          tl.sum(at.to(tl.float32) * of[None, :], axis=1), mask=rm)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+        tl.store(o_ptr + b.to(tl.int64) * so + h * D + offs_d,
+                 out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, sg, su, cs_ptr, b_ptr, lo_ptr, slo, act_ptr, M, NI,
-                         xa_ptr, sxa, bf_ptr, R, rg0, rgw, ru0, ruw, ss_ptr, n_ss, eps,
-                         a_ptr, xn_ptr, sxn, RN, HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         HAS_LORA: tl.constexpr, INLINE: tl.constexpr, NORM: tl.constexpr,
-                         RP: tl.constexpr, SHRINK: tl.constexpr, RPN: tl.constexpr,
+                         HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -418,19 +270,14 @@ if HAS_TRITON:
         rmask = rows < M
         cm = cols < NI
         dt = act_ptr.dtype.element_ty
-        rstd = _rstd(ss_ptr, rows, rmask, n_ss, eps, NORM)
         g = _epilogue(g_ptr, sg, rows, rmask, cols, cols, cm, cs_ptr, b_ptr, lo_ptr, slo,
-                      HAS_CS, HAS_BIAS, HAS_LORA, dt, xa_ptr, sxa, bf_ptr, R, rg0, rgw, rstd,
-                      INLINE, NORM, RP)
+                      HAS_CS, HAS_BIAS, HAS_LORA, dt)
         u = _epilogue(u_ptr, su, rows, rmask, cols, NI + cols, cm, cs_ptr, b_ptr, lo_ptr, slo,
-                      HAS_CS, HAS_BIAS, HAS_LORA, dt, xa_ptr, sxa, bf_ptr, R, ru0, ruw, rstd,
-                      INLINE, NORM, RP)
+                      HAS_CS, HAS_BIAS, HAS_LORA, dt)
         sg_ = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         act = (sg_ * u).to(dt)
         tl.store(act_ptr + rows[:, None].to(tl.int64) * NI + cols[None, :], act,
                  mask=rmask[:, None] & cm[None, :])
-        if SHRINK:  # the down group's LoRA shrink, this tile's share
-            _shrink_into(act, a_ptr, NI, cols, cm, xn_ptr, sxn, rows, rmask, RN, RPN, dt)
 
 def _epi_args(e: Epilogue | None, like: torch.Tensor) -> tuple:
     """(col_scale, bias, lora, lora stride) pointers or dummies."""
@@ -446,63 +293,6 @@ def _flags(e: Epilogue | None) -> dict:
     return {"HAS_CS": e is not None and e.col_scale is not None,
             "HAS_BIAS": e is not None and e.bias is not None,
             "HAS_LORA": e is not None and e.lora is not None}
-
-
-def _inline_args(e: Epilogue | None, like: torch.Tensor, members: int) -> tuple[list, dict]:
-    """The ``inline`` arguments of a consumer kernel: ``xa`` and its row stride, ``b_full`` and
-    its rank count, ``(first rank, ranks)`` of each of ``members`` members, ``ss``, ``n_ss``,
-    ``eps``; and the ``INLINE`` / ``NORM`` / ``RP`` flags."""
-    il = e.inline if e is not None else None
-    lora = il is not None and il.xa is not None
-    norm = il is not None and il.ss is not None
-    wins = list(il.windows) if lora else []
-    wins += [(0, 0)] * (members - len(wins))
-    args = [il.xa if lora else like, il.xa.stride(0) if lora else 0,
-            il.b_full if lora else like, il.b_full.shape[1] if lora else 0,
-            *[v for w in wins[:members] for v in w],
-            il.ss if norm else like, il.n_ss if norm else 1, il.eps if norm else 0.0]
-    return args, {"INLINE": lora, "NORM": norm, "RP": il.rank_pad() if lora else 16}
-
-
-def _shrink_args(shrink: tuple[torch.Tensor, torch.Tensor] | None,
-                 like: torch.Tensor) -> tuple[list, dict]:
-    """``(a_cat [R, K], xa [M, R] float32)`` of the next group's shrink, as kernel arguments
-    ``a, xa, xa row stride, R`` and the ``SHRINK`` / ``RPN`` flags."""
-    if shrink is None:
-        return [like, like, 0, 0], {"SHRINK": False, "RPN": 16}
-    a, xa = shrink
-    return [a, xa, xa.stride(0), a.shape[0]], {"SHRINK": True,
-                                               "RPN": max(16, np2(a.shape[0]))}
-
-
-# Columns a program of :func:`add_norm_cols` takes (28 programs a row-block at 7B width)
-NORM_BN = 128
-
-
-def add_norm_cols(h: torch.Tensor, w: torch.Tensor | None, ss: torch.Tensor | None,
-                  add: Epilogue | None = None,
-                  shrink: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  pdl: bool = False) -> torch.Tensor | None:
-    """The ``inline`` decode step's RMSNorm, column-parallel: ``h += epilogue(add)`` (in place;
-    ``add.inline`` may carry its group's LoRA to expand here), then with ``w`` (and ``ss``, zeros
-    on entry) return ``h * w`` and add the row sums of squares of ``h`` into ``ss``: the norm's
-    ``1 / rms`` is applied by the consumers of the next GEMM's output (:class:`Inline`); with
-    ``shrink = (a_cat, xa)`` also add ``(h * w) a_cat^T`` into ``xa`` (float32, zeros on entry).
-    Without ``w``, only the addition (``None`` returned)."""
-    m, hid = h.shape
-    out = torch.empty_like(h) if w is not None else h
-    d = add.raw if add is not None else h
-    iargs, iflags = _inline_args(add, h, 1)
-    sargs, sflags = _shrink_args(shrink if w is not None else None, h)
-    cs, bias, _, _ = _epi_args(add, h)
-    xa, sxa, bf, r, _, rw = iargs[:6]
-    _add_norm_cols_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(hid, NORM_BN))](
-        h, d, d.stride(0), add.offset if add is not None else 0, cs, bias, xa, sxa, bf, r, rw,
-        w if w is not None else h, out, ss if ss is not None else h, *sargs, m, hid,
-        HAS_ADD=add is not None, HAS_CS=_flags(add)["HAS_CS"], HAS_BIAS=_flags(add)["HAS_BIAS"],
-        INLINE=iflags["INLINE"], NORM_OUT=w is not None, SHRINK=sflags["SHRINK"], BM=BLOCK_M,
-        BN=NORM_BN, RP=iflags["RP"], RPN=sflags["RPN"], num_warps=4, **launch_kw(pdl))
-    return out if w is not None else None
 
 
 # Widest row add_rmsnorm holds in registers in one pass (8,192 features: 32 a thread at 8 warps);
@@ -535,12 +325,11 @@ def qkv_rope(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc
     bm = BLOCK_M
     half = head_dim // 2
     raw = q.raw
-    iargs, iflags = _inline_args(q, k, 3)
     _qkv_rope_kernel[(triton.cdiv(m, bm), n_heads + n_kv)](
         raw, k, v, raw.stride(0), k.stride(0), v.stride(0), *_epi_args(q, k), qo, kc, vc,
-        kc.stride(0), kc.stride(1), kc.stride(2), inv_freq, slot, pad, rope_scale, m, *iargs,
+        kc.stride(0), kc.stride(1), kc.stride(2), inv_freq, slot, pad, rope_scale, m,
         HQ=n_heads, HKV=n_kv, D=head_dim, HALF=half, HALFP=max(16, np2(half)), BM=bm,
-        num_warps=4, **_flags(q), **iflags, **launch_kw(pdl))
+        num_warps=4, **_flags(q), **launch_kw(pdl))
     return qo
 
 
@@ -554,13 +343,11 @@ def attention_splits(rows: int, n_kv: int, cap: int, sms: int) -> int:
 
 
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-              pad: torch.Tensor, scaling: float, splits: int = 1, pdl: bool = False,
-              shrink: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              pad: torch.Tensor, scaling: float, splits: int = 1,
+              pdl: bool = False) -> torch.Tensor:
     """Decode attention of ``q [M, Hq, D]`` over cache slots ``pad[b] .. slot``: ``[M, Hq*D]``.
     ``splits > 1``: flash-decoding over the slots -- each (row, KV head) split into ``splits``
-    programs whose partial softmaxes a second kernel merges (small batches, long contexts).
-    ``shrink = (a_cat, xa)``: the o group's LoRA shrink ``out a_cat^T`` added into ``xa``
-    (float32, zeros on entry) by the kernel that writes ``out``."""
+    programs whose partial softmaxes a second kernel merges (small batches, long contexts)."""
     m, hq, d = q.shape
     hkv = kc.shape[1]
     g = hq // hkv
@@ -571,32 +358,24 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.T
         pl = torch.empty_like(pm)
     else:
         pacc, pm, pl = out, out, out  # the kernel writes ``out`` itself
-    sargs, sflags = _shrink_args(shrink, q)
-    none, _ = _shrink_args(None, q)
     _attn_decode_kernel[(m, hkv, splits)](
         q, kc, vc, pacc, pm, pl, slot, pad, scaling * 1.4426950408889634, kc.stride(0),
-        kc.stride(1), kc.stride(2), out.stride(0), *(sargs if splits == 1 else none), HQ=hq,
-        G=g, GP=max(16, np2(g)), D=d, DP=max(16, np2(d)), BL=64, S=splits,
-        SHRINK=sflags["SHRINK"] and splits == 1, RPN=sflags["RPN"], num_warps=4,
-        **launch_kw(pdl))
+        kc.stride(1), kc.stride(2), out.stride(0), HQ=hq, G=g, GP=max(16, np2(g)), D=d,
+        DP=max(16, np2(d)), BL=64, S=splits, num_warps=4, **launch_kw(pdl))
     if splits > 1:
-        _attn_combine_kernel[(m, hq)](pacc, pm, pl, out, out.stride(0), *sargs, HQ=hq, D=d,
+        _attn_combine_kernel[(m, hq)](pacc, pm, pl, out, out.stride(0), HQ=hq, D=d,
                                       DP=max(16, np2(d)), S=splits, SP=max(2, np2(splits)),
-                                      num_warps=4, **sflags, **launch_kw(pdl))
+                                      num_warps=4, **launch_kw(pdl))
     return out
 
 
-def silu_mul(g: Epilogue, u: torch.Tensor, pdl: bool = False,
-             shrink: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def silu_mul(g: Epilogue, u: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` after the gate/up epilogue (``g`` describes the group, ``u`` is up's
-    raw output); ``shrink = (a_cat, xa)``: the down group's LoRA shrink ``act a_cat^T`` added
-    into ``xa`` (float32, zeros on entry)."""
+    raw output)."""
     m, inter = u.shape
     act = torch.empty((m, inter), dtype=u.dtype, device=u.device)
     bm, bn = BLOCK_M, 128
-    iargs, iflags = _inline_args(g, u, 2)
-    sargs, sflags = _shrink_args(shrink, u)
     _silu_mul_kernel[(triton.cdiv(m, bm), triton.cdiv(inter, bn))](
-        g.raw, u, g.raw.stride(0), u.stride(0), *_epi_args(g, u), act, m, inter, *iargs, *sargs,
-        BM=bm, BN=bn, num_warps=4, **_flags(g), **iflags, **sflags, **launch_kw(pdl))
+        g.raw, u, g.raw.stride(0), u.stride(0), *_epi_args(g, u), act, m, inter, BM=bm, BN=bn,
+        num_warps=4, **_flags(g), **launch_kw(pdl))
     return act

@@ -44,11 +44,6 @@ class State:
     # per group kind with adapters: the fused kernel's (LoraLaunch, float32 accumulator, counters);
     # None: the LoRA runs as cuBLAS GEMMs
     lora_fused: dict | None = None
-    # the ``inline`` decode step's float32 sums, per layer: "ss1" / "ss2" (the norms' row sums
-    # of squares, [rows]) and per group kind with adapters its shrink sums [rows, R]; views of
-    # ``inline_acc``, zeroed at the start of every step (None: the other decode step)
-    inline: list | None = None
-    inline_acc: torch.Tensor | None = None
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
     pdl: bool = False  # decode kernels with programmatic dependent launch (pdl.pdl_supported)
     gemm_sms: int | None = None  # humming's multiprocessors when the fused LoRA runs beside it
@@ -65,8 +60,7 @@ class State:
 
     def nbytes(self) -> int:
         ts = self.k + self.v + list(self.lora_xa.values()) + list(self.lora_out.values()) \
-            + [acc for _, acc, _ in (self.lora_fused or {}).values()] \
-            + ([self.inline_acc] if self.inline_acc is not None else [])
+            + [acc for _, acc, _ in (self.lora_fused or {}).values()]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -106,40 +100,21 @@ def _fused_lora(plan: Plan, rows: int, dev: torch.device) -> dict | None:
     return fused
 
 
-def _inline_sums(plan: Plan, rows: int, dev: torch.device) -> tuple[list, torch.Tensor]:
-    """The ``inline`` step's per-layer float32 sums (see :class:`State`) in one buffer."""
-    kinds = ("qkv", "o", "gu", "down")
-    per = [[("ss1", 1), ("ss2", 1)] + [(k, getattr(lay, k).r_total) for k in kinds
-                                        if getattr(lay, k).r_total] for lay in plan.layers]
-    acc = torch.zeros(rows * sum(w for p in per for _, w in p), device=dev)
-    out, o = [], 0
-    for p in per:
-        d = {}
-        for name, w in p:
-            v = acc[o: o + rows * w].view(rows, w)
-            d[name] = v[:, 0] if name.startswith("ss") else v
-            o += rows * w
-        out.append(d)
-    return out, acc
-
-
 def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
               side: torch.cuda.Stream | None, attn_splits: int | None = None,
-              fused_lora: bool = False, inline: bool = False) -> State:
+              fused_lora: bool = False) -> State:
     """Buffers for ``rows`` rows and ``cap`` KV slots; ``side``: the LoRA side stream (the
     engine's one stream: cuBLAS keeps a workspace per stream it has run on, for the process);
     ``attn_splits``: the decode attention's splits (``None``: :func:`kernels.attention_splits`);
-    ``fused_lora``: LoRA through :mod:`qerl.rollout.fast.lora` where it applies; ``inline``: the
-    ``inline`` decode step (:func:`qerl.rollout.fast.decode.step`; no LoRA buffers)."""
+    ``fused_lora``: LoRA through :mod:`qerl.rollout.fast.lora` where it applies."""
     dev, dt = plan.device, plan.dtype
     shape = (rows, plan.n_kv, cap, plan.head_dim)
 
     def z(*s, dtype=torch.float32):
         return torch.zeros(s, dtype=dtype, device=dev)
 
-    xa, lo = _lora_buffers(plan, rows, dev) if not inline else ({}, {})
+    xa, lo = _lora_buffers(plan, rows, dev)
     fused = _fused_lora(plan, rows, dev) if fused_lora and lo else None
-    sums, acc = _inline_sums(plan, rows, dev) if inline else (None, None)
     if attn_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         attn_splits = K.attention_splits(rows, plan.n_kv, cap, sms)
@@ -153,7 +128,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         eos=torch.full((8,), -1, dtype=torch.long, device=dev), pad_id=z(1, dtype=torch.long),
         out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
         out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), lora_xa=xa, lora_out=lo,
-        lora_fused=fused, inline=sums, inline_acc=acc,
+        lora_fused=fused,
         attn_splits=attn_splits, side=side)
 
 
