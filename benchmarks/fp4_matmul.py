@@ -15,11 +15,18 @@ path) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old m
     python benchmarks/fp4_matmul.py --crossover --ms 64,128,256,512,1024,2048   # humming vs dequant
     python benchmarks/fp4_matmul.py --train    # training autograd: forward+backward, peak memory
     python benchmarks/fp4_matmul.py --overhead --ms 1,64   # what a small humming GEMM costs besides bytes
+    python benchmarks/fp4_matmul.py --overhead-split       # where that cost is (configs, K, cuBLAS)
 
 ``--overhead``: humming's NVFP4 GEMM (bf16-scale layout, as the engine runs it) on N x 3584 from
 N = 256 (almost no bytes) to the 7B q/k/v and down widths, back-to-back calls without and with
 programmatic dependent launch (each call may then start while the one before it finishes), and an
 empty kernel (``torch.cuda._sleep(0)``) for a graph's cost per kernel: us a call, cold weights.
+
+``--overhead-split``: one row, PDL on, N x K from 256 x 512 (nothing to stream) to the 7B q/k/v,
+for humming's chosen config and the same config without stream-K (no fix-up across CTAs), with
+one CTA a multiprocessor, and both; against cuBLAS on bf16 weights of the same shapes and a
+Triton kernel that only waits for its predecessor and stores one value (with and without PDL):
+the floor of a kernel boundary in our decode chain.
 """
 
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
@@ -41,6 +48,16 @@ from qerl.kernels.tuning import model_gemm_shapes  # noqa: E402
 from qerl.quant.formats import FORMATS  # noqa: E402
 
 L2_BYTES = 60 << 20
+
+try:  # a kernel that only waits for the one before it (``--overhead-split``)
+    from qerl.rollout.fast.pdl import pdl_enter, tl, triton
+
+    @triton.jit
+    def _noop_kernel(out_ptr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        tl.store(out_ptr + tl.program_id(0), 1.0)
+except ImportError:  # no Triton: the other tables still run
+    _noop_kernel = None
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -220,6 +237,56 @@ def run_overhead(args, results: dict, dump) -> None:
                   f"{c['weight_bytes'] / c['us'] * 1e-3:.0f} |")
 
 
+def run_overhead_split(results: dict, dump) -> None:
+    """The ``--overhead-split`` table (see the module docstring)."""
+    from qerl.kernels.humming_gemm import HummingFp4, config_string
+    from qerl.rollout.fast.pdl import launch_kw
+
+    cells = []
+
+    def add(cell, fns):
+        try:
+            cell["us"] = graph_time(fns) * 1e6
+        except Exception as e:  # noqa: BLE001 - record it and go on
+            cell["error"] = f"{type(e).__name__}: {e}"[:300]
+        cells.append(cell)
+        print(json.dumps(cell), flush=True)
+
+    o = torch.zeros(132, device="cuda")
+    for pdl in (False, True):
+        add({"shape": "triton store", "method": "triton_noop", "pdl": pdl, "weight_bytes": 0},
+            [lambda pdl=pdl: _noop_kernel[(132,)](o, **launch_kw(pdl))] * 32)
+    x = None
+    for n, k in ((256, 512), (256, 3584), (4608, 512), (4608, 3584)):
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(_copies(2 * n * k))]
+        add({"shape": f"{n}x{k}", "method": "cublas_bf16", "pdl": False,
+             "weight_bytes": 2 * n * k}, [lambda w=w: F.linear(x, w) for w in ws])
+        del ws
+        base = _fp4(n, k, "nvfp4")
+        gs = [HummingFp4("nvfp4", [(base["weight_packed"], base["weight_scale"],
+                                    base["weight_global_scale"])], layout="bf16_scales")
+              for _ in range(_copies(_fp4_bytes(base)))]
+        cfg = json.loads(gs[0].tuning_for(1, True))
+        for name, change in (("chosen", {}), ("no_stream_k", {"use_stream_k": False}),
+                             ("1_cta_per_sm", {"num_ctas_per_sm": 1}),
+                             ("no_stream_k_1_cta", {"use_stream_k": False, "num_ctas_per_sm": 1})):
+            tuning = config_string({**cfg, **change})
+            add({"shape": f"{n}x{k}", "method": f"humming_{name}", "pdl": True,
+                 "weight_bytes": gs[0].nbytes(), "config": tuning},
+                [lambda g=g: g(x, pdl=True, tuning=tuning) for g in gs])
+        del gs
+        torch.cuda.empty_cache()
+    results["cells"] += cells
+    dump()
+    print("\n| shape | method | PDL | us a call |")
+    print("|---|---|---|---|")
+    for c in cells:
+        print(f"| {c['shape']} | {c['method']} | {c['pdl']} | "
+              + (f"{c['us']:.2f} |" if "us" in c else f"error: {c['error'][:60]} |"))
+
+
 def run_train(results: dict, dump) -> None:
     """Forward + backward of a stack of FP4 layers at training size: the autograd function
     against plain autograd on the torch-dequantized weight (which saves every weight)."""
@@ -279,6 +346,8 @@ def main() -> None:  # pragma: no cover - GPU only
     ap.add_argument("--train", action="store_true", help="only the training autograd timing")
     ap.add_argument("--overhead", action="store_true",
                     help="only humming's cost per call from tiny to 7B widths, with and without PDL")
+    ap.add_argument("--overhead-split", action="store_true",
+                    help="only where a small humming GEMM's fixed cost is (configs, K, cuBLAS)")
     ap.add_argument("--legacy", default=None, help="path of the old Triton FP4 module to compare")
     ap.add_argument("--json", default="fp4_matmul.json")
     args = ap.parse_args()
@@ -312,6 +381,9 @@ def main() -> None:  # pragma: no cover - GPU only
         run_train(results, dump)
     elif args.overhead:
         run_overhead(args, results, dump)
+        return
+    elif args.overhead_split:
+        run_overhead_split(results, dump)
         return
     else:
         run_shapes(args, results, dump, legacy)

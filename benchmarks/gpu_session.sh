@@ -80,6 +80,9 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     overhead)  # what a small humming GEMM costs besides its bytes (fp4_matmul.py --overhead)
       timeout ${OVERHEAD_TIMEOUT:-90} python3 benchmarks/fp4_matmul.py --overhead --ms ${OVERHEAD_MS:-1,64} \
         --json "$OUT/fp4_overhead.json" ;;
+    overheadsplit)  # where that cost is: configs without stream-K / with one CTA a multiprocessor, K, cuBLAS
+      timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/fp4_matmul.py --overhead-split \
+        --json "$OUT/fp4_overhead_split.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)
