@@ -16,6 +16,7 @@ path) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old m
     python benchmarks/fp4_matmul.py --train    # training autograd: forward+backward, peak memory
     python benchmarks/fp4_matmul.py --overhead --ms 1,64   # what a small humming GEMM costs besides bytes
     python benchmarks/fp4_matmul.py --overhead-split       # where that cost is (configs, K, cuBLAS)
+    python benchmarks/fp4_matmul.py --sms-scan --ms 1,64   # the same kernels on 1/4 .. all of the SMs
 
 ``--overhead``: humming's NVFP4 GEMM (bf16-scale layout, as the engine runs it) on N x 3584 from
 N = 256 (almost no bytes) to the 7B q/k/v and down widths, back-to-back calls without and with
@@ -27,6 +28,12 @@ for humming's chosen config and the same config without stream-K (no fix-up acro
 one CTA a multiprocessor, and both; against cuBLAS on bf16 weights of the same shapes and a
 Triton kernel that only waits for its predecessor and stores one value (with and without PDL):
 the floor of a kernel boundary in our decode chain.
+
+``--sms-scan``: each decode GEMM of ``--model`` as the engine runs it (bf16-scale layout, its
+config for the row count, PDL on) on a quarter, half, three quarters and all of the
+multiprocessors (the same kernel on a smaller persistent grid): a GEMM bound by the DRAM keeps
+its time on fewer multiprocessors, one bound by what each multiprocessor does (dequantising,
+issuing, its own latency) slows in proportion.
 """
 
 # ruff: noqa: B023  (closures are called inside the loop iteration that made them)
@@ -287,6 +294,43 @@ def run_overhead_split(results: dict, dump) -> None:
               + (f"{c['us']:.2f} |" if "us" in c else f"error: {c['error'][:60]} |"))
 
 
+def run_sms_scan(args, results: dict, dump) -> None:
+    """The ``--sms-scan`` table (see the module docstring)."""
+    from qerl.kernels.humming_gemm import HummingFp4, config_string, on_sms
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    fractions = (4, 2, 4 / 3, 1)
+    for name, n, k in model_gemm_shapes(args.model):
+        base = _fp4(n, k, "nvfp4")
+        gs = [HummingFp4("nvfp4", [(base["weight_packed"], base["weight_scale"],
+                                    base["weight_global_scale"])], layout="bf16_scales")
+              for _ in range(_copies(_fp4_bytes(base)))]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cfg = json.loads(gs[0].tuning_for(m, True))
+            for f in fractions:
+                sms = int(round(total / f))
+                tuning = config_string(on_sms(cfg, sms))
+                cell = {"shape": name, "n": n, "k": k, "m": m, "sms": sms,
+                        "weight_bytes": gs[0].nbytes()}
+                try:
+                    cell["us"] = graph_time([lambda g=g: g(x, pdl=True, tuning=tuning)
+                                             for g in gs]) * 1e6
+                except Exception as e:  # noqa: BLE001 - record it and go on
+                    cell["error"] = f"{type(e).__name__}: {e}"[:300]
+                results["cells"].append(cell)
+                print(json.dumps(cell), flush=True)
+        del gs
+        torch.cuda.empty_cache()
+    dump()
+    print("\n| shape | M | SMs | us a call | GB/s |")
+    print("|---|---|---|---|---|")
+    for c in results["cells"]:
+        if "us" in c:
+            print(f"| {c['shape']} {c['n']}x{c['k']} | {c['m']} | {c['sms']} | {c['us']:.2f} | "
+                  f"{c['weight_bytes'] / c['us'] * 1e-3:.0f} |")
+
+
 def run_train(results: dict, dump) -> None:
     """Forward + backward of a stack of FP4 layers at training size: the autograd function
     against plain autograd on the torch-dequantized weight (which saves every weight)."""
@@ -348,6 +392,8 @@ def main() -> None:  # pragma: no cover - GPU only
                     help="only humming's cost per call from tiny to 7B widths, with and without PDL")
     ap.add_argument("--overhead-split", action="store_true",
                     help="only where a small humming GEMM's fixed cost is (configs, K, cuBLAS)")
+    ap.add_argument("--sms-scan", action="store_true",
+                    help="only the decode GEMMs on 1/4, 1/2, 3/4 and all of the multiprocessors")
     ap.add_argument("--legacy", default=None, help="path of the old Triton FP4 module to compare")
     ap.add_argument("--json", default="fp4_matmul.json")
     args = ap.parse_args()
@@ -384,6 +430,9 @@ def main() -> None:  # pragma: no cover - GPU only
         return
     elif args.overhead_split:
         run_overhead_split(results, dump)
+        return
+    elif args.sms_scan:
+        run_sms_scan(args, results, dump)
         return
     else:
         run_shapes(args, results, dump, legacy)
