@@ -29,8 +29,9 @@ one CTA a multiprocessor, and both; against cuBLAS on bf16 weights of the same s
 Triton kernel that only waits for its predecessor and stores one value (with and without PDL):
 the floor of a kernel boundary in our decode chain.
 
-``--sms-scan``: each decode GEMM of ``--model`` as the engine runs it (bf16-scale layout, its
-config for the row count, PDL on) on a quarter, half, three quarters and all of the
+``--sms-scan``: each decode GEMM of ``--model`` as the engine runs it (``--fmt nvfp4 --layout
+bf16_scales``, the engine's; ``--layout ct`` / ``--fmt mxfp4`` for the others; its config for the
+row count, PDL on) on a quarter, half, three quarters and all of the
 multiprocessors (the same kernel on a smaller persistent grid): a GEMM bound by the DRAM keeps
 its time on fewer multiprocessors, one bound by what each multiprocessor does (dequantising,
 issuing, its own latency) slows in proportion.
@@ -301,9 +302,9 @@ def run_sms_scan(args, results: dict, dump) -> None:
     total = torch.cuda.get_device_properties(0).multi_processor_count
     fractions = (4, 2, 4 / 3, 1)
     for name, n, k in model_gemm_shapes(args.model):
-        base = _fp4(n, k, "nvfp4")
-        gs = [HummingFp4("nvfp4", [(base["weight_packed"], base["weight_scale"],
-                                    base["weight_global_scale"])], layout="bf16_scales")
+        base = _fp4(n, k, args.fmt)
+        gs = [HummingFp4(args.fmt, [(base["weight_packed"], base["weight_scale"],
+                                     base.get("weight_global_scale"))], layout=args.layout)
               for _ in range(_copies(_fp4_bytes(base)))]
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -311,8 +312,8 @@ def run_sms_scan(args, results: dict, dump) -> None:
             for f in fractions:
                 sms = int(round(total / f))
                 tuning = config_string(on_sms(cfg, sms))
-                cell = {"shape": name, "n": n, "k": k, "m": m, "sms": sms,
-                        "weight_bytes": gs[0].nbytes()}
+                cell = {"shape": name, "n": n, "k": k, "m": m, "sms": sms, "fmt": args.fmt,
+                        "layout": args.layout, "weight_bytes": gs[0].nbytes()}
                 try:
                     cell["us"] = graph_time([lambda g=g: g(x, pdl=True, tuning=tuning)
                                              for g in gs]) * 1e6
@@ -394,9 +395,15 @@ def main() -> None:  # pragma: no cover - GPU only
                     help="only where a small humming GEMM's fixed cost is (configs, K, cuBLAS)")
     ap.add_argument("--sms-scan", action="store_true",
                     help="only the decode GEMMs on 1/4, 1/2, 3/4 and all of the multiprocessors")
+    ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"),
+                    help="--sms-scan: the 4-bit format")
+    ap.add_argument("--layout", default="bf16_scales", choices=("bf16_scales", "ct"),
+                    help="--sms-scan: humming's copy (bf16_scales: NVFP4 only, the engine's)")
     ap.add_argument("--legacy", default=None, help="path of the old Triton FP4 module to compare")
     ap.add_argument("--json", default="fp4_matmul.json")
     args = ap.parse_args()
+    if args.layout == "bf16_scales" and args.fmt != "nvfp4":
+        ap.error("--layout bf16_scales is for --fmt nvfp4 only; use --layout ct")
     if args.crossover:
         args.methods = "humming_nvfp4,dequant_cublas_nvfp4,humming_mxfp4,dequant_cublas_mxfp4"
     legacy = None

@@ -84,8 +84,10 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/fp4_matmul.py --overhead-split \
         --json "$OUT/fp4_overhead_split.json" ;;
     smsscan)  # the decode GEMMs on 1/4 .. all of the multiprocessors: DRAM-bound or bound per multiprocessor
+      F=${SMSSCAN_FMT:-nvfp4}; LAY=${SMSSCAN_LAYOUT:-bf16_scales}
       timeout ${SMSSCAN_TIMEOUT:-150} python3 benchmarks/fp4_matmul.py --sms-scan --model ${SMSSCAN_MODEL:-7b} \
-        --ms ${SMSSCAN_MS:-1,64} --json "$OUT/fp4_sms_scan_${SMSSCAN_MODEL:-7b}.json" ;;
+        --ms ${SMSSCAN_MS:-1,64} --fmt $F --layout $LAY \
+        --json "$OUT/fp4_sms_scan_${SMSSCAN_MODEL:-7b}_${F}_${LAY}.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)
