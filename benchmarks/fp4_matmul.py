@@ -209,127 +209,116 @@ def run_shapes(args, results: dict, dump, legacy) -> None:
                 print(json.dumps(cell), flush=True)
 
 
-def run_overhead(args, results: dict, dump) -> None:
-    """The ``--overhead`` table (see the module docstring)."""
+def _timed(cell: dict, fns) -> dict:
+    """``cell`` with ``us`` (a CUDA-graph replay of ``fns``, us a call) or the ``error``; printed."""
+    try:
+        cell["us"] = graph_time(fns) * 1e6
+    except Exception as e:  # noqa: BLE001 - record it and go on
+        cell["error"] = f"{type(e).__name__}: {e}"[:300]
+    print(json.dumps(cell), flush=True)
+    return cell
+
+
+def _table(cells: list[dict], header: list[str], row) -> None:
+    """Print a markdown table: ``header``, then ``row(cell)`` (a list of strings) per timed cell."""
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for c in cells:
+        if "us" in c:
+            print("| " + " | ".join(row(c)) + " |")
+        else:
+            print(f"| {c['shape']} | error: {c['error'][:60]} |")
+
+
+def _humming_copies(n: int, k: int, fmt: str = "nvfp4", layout: str = "bf16_scales") -> list:
+    """Enough humming GEMMs of one random ``n x k`` weight (each its own copy) for a cold L2."""
     from qerl.kernels.humming_gemm import HummingFp4
 
+    base = _fp4(n, k, fmt)
+    return [HummingFp4(fmt, [(base["weight_packed"], base["weight_scale"],
+                               base.get("weight_global_scale"))], layout=layout)
+            for _ in range(_copies(_fp4_bytes(base)))]
+
+
+def run_overhead(args, results: dict, dump) -> None:
+    """The ``--overhead`` table (see the module docstring)."""
     k = 3584
-    cells = [{"shape": "empty kernel", "n": 0, "k": 0, "m": 0, "pdl": False,
-              "us": graph_time([lambda: torch.cuda._sleep(0)] * 32) * 1e6, "weight_bytes": 0}]
-    print(json.dumps(cells[0]), flush=True)
+    cells = [_timed({"shape": "empty kernel", "n": 0, "k": 0, "m": 0, "pdl": False,
+                     "weight_bytes": 0}, [lambda: torch.cuda._sleep(0)] * 32)]
     for n in (256, 1024, 4608, 18944):
-        base = _fp4(n, k, "nvfp4")
-        gs = [HummingFp4("nvfp4", [(base["weight_packed"], base["weight_scale"],
-                                    base["weight_global_scale"])], layout="bf16_scales")
-              for _ in range(_copies(_fp4_bytes(base)))]
+        gs = _humming_copies(n, k)
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for pdl in (False, True):
-                cell = {"shape": f"{n}x{k}", "n": n, "k": k, "m": m, "pdl": pdl,
-                        "weight_bytes": gs[0].nbytes()}
-                try:
-                    cell["us"] = graph_time([lambda g=g: g(x, pdl=pdl) for g in gs]) * 1e6
-                except Exception as e:  # noqa: BLE001 - record it and go on
-                    cell["error"] = f"{type(e).__name__}: {e}"[:300]
-                cells.append(cell)
-                print(json.dumps(cell), flush=True)
+                cells.append(_timed({"shape": f"{n}x{k}", "n": n, "k": k, "m": m, "pdl": pdl,
+                                     "weight_bytes": gs[0].nbytes()},
+                                    [lambda g=g: g(x, pdl=pdl) for g in gs]))
         del gs
         torch.cuda.empty_cache()
     results["cells"] += cells
     dump()
-    print("\n| shape | M | PDL | us a call | GB/s |")
-    print("|---|---|---|---|---|")
-    for c in cells:
-        if "us" in c:
-            print(f"| {c['shape']} | {c['m']} | {c['pdl']} | {c['us']:.2f} | "
-                  f"{c['weight_bytes'] / c['us'] * 1e-3:.0f} |")
+    _table(cells, ["shape", "M", "PDL", "us a call", "GB/s"],
+           lambda c: [c["shape"], str(c["m"]), str(c["pdl"]), f"{c['us']:.2f}",
+                      f"{c['weight_bytes'] / c['us'] * 1e-3:.0f}"])
 
 
 def run_overhead_split(results: dict, dump) -> None:
     """The ``--overhead-split`` table (see the module docstring)."""
-    from qerl.kernels.humming_gemm import HummingFp4, config_string
+    from qerl.kernels.humming_gemm import config_string
     from qerl.rollout.fast.pdl import launch_kw
 
-    cells = []
-
-    def add(cell, fns):
-        try:
-            cell["us"] = graph_time(fns) * 1e6
-        except Exception as e:  # noqa: BLE001 - record it and go on
-            cell["error"] = f"{type(e).__name__}: {e}"[:300]
-        cells.append(cell)
-        print(json.dumps(cell), flush=True)
-
     o = torch.zeros(132, device="cuda")
-    for pdl in (False, True):
-        add({"shape": "triton store", "method": "triton_noop", "pdl": pdl, "weight_bytes": 0},
-            [lambda pdl=pdl: _noop_kernel[(132,)](o, **launch_kw(pdl))] * 32)
-    x = None
+    cells = [_timed({"shape": "triton store", "method": "triton_noop", "pdl": pdl,
+                     "weight_bytes": 0},
+                    [lambda pdl=pdl: _noop_kernel[(132,)](o, **launch_kw(pdl))] * 32)
+             for pdl in (False, True)]
     for n, k in ((256, 512), (256, 3584), (4608, 512), (4608, 3584)):
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
               for _ in range(_copies(2 * n * k))]
-        add({"shape": f"{n}x{k}", "method": "cublas_bf16", "pdl": False,
-             "weight_bytes": 2 * n * k}, [lambda w=w: F.linear(x, w) for w in ws])
+        cells.append(_timed({"shape": f"{n}x{k}", "method": "cublas_bf16", "pdl": False,
+                             "weight_bytes": 2 * n * k}, [lambda w=w: F.linear(x, w) for w in ws]))
         del ws
-        base = _fp4(n, k, "nvfp4")
-        gs = [HummingFp4("nvfp4", [(base["weight_packed"], base["weight_scale"],
-                                    base["weight_global_scale"])], layout="bf16_scales")
-              for _ in range(_copies(_fp4_bytes(base)))]
+        gs = _humming_copies(n, k)
         cfg = json.loads(gs[0].tuning_for(1, True))
         for name, change in (("chosen", {}), ("no_stream_k", {"use_stream_k": False}),
                              ("1_cta_per_sm", {"num_ctas_per_sm": 1}),
                              ("no_stream_k_1_cta", {"use_stream_k": False, "num_ctas_per_sm": 1})):
             tuning = config_string({**cfg, **change})
-            add({"shape": f"{n}x{k}", "method": f"humming_{name}", "pdl": True,
-                 "weight_bytes": gs[0].nbytes(), "config": tuning},
-                [lambda g=g: g(x, pdl=True, tuning=tuning) for g in gs])
+            cells.append(_timed({"shape": f"{n}x{k}", "method": f"humming_{name}", "pdl": True,
+                                 "weight_bytes": gs[0].nbytes(), "config": tuning},
+                                [lambda g=g: g(x, pdl=True, tuning=tuning) for g in gs]))
         del gs
         torch.cuda.empty_cache()
     results["cells"] += cells
     dump()
-    print("\n| shape | method | PDL | us a call |")
-    print("|---|---|---|---|")
-    for c in cells:
-        print(f"| {c['shape']} | {c['method']} | {c['pdl']} | "
-              + (f"{c['us']:.2f} |" if "us" in c else f"error: {c['error'][:60]} |"))
+    _table(cells, ["shape", "method", "PDL", "us a call"],
+           lambda c: [c["shape"], c["method"], str(c["pdl"]), f"{c['us']:.2f}"])
 
 
 def run_sms_scan(args, results: dict, dump) -> None:
     """The ``--sms-scan`` table (see the module docstring)."""
-    from qerl.kernels.humming_gemm import HummingFp4, config_string, on_sms
+    from qerl.kernels.humming_gemm import config_string, on_sms
 
     total = torch.cuda.get_device_properties(0).multi_processor_count
-    fractions = (4, 2, 4 / 3, 1)
     for name, n, k in model_gemm_shapes(args.model):
-        base = _fp4(n, k, args.fmt)
-        gs = [HummingFp4(args.fmt, [(base["weight_packed"], base["weight_scale"],
-                                     base.get("weight_global_scale"))], layout=args.layout)
-              for _ in range(_copies(_fp4_bytes(base)))]
+        gs = _humming_copies(n, k, args.fmt, args.layout)
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cfg = json.loads(gs[0].tuning_for(m, True))
-            for f in fractions:
+            for f in (4, 2, 4 / 3, 1):
                 sms = int(round(total / f))
                 tuning = config_string(on_sms(cfg, sms))
-                cell = {"shape": name, "n": n, "k": k, "m": m, "sms": sms, "fmt": args.fmt,
-                        "layout": args.layout, "weight_bytes": gs[0].nbytes()}
-                try:
-                    cell["us"] = graph_time([lambda g=g: g(x, pdl=True, tuning=tuning)
-                                             for g in gs]) * 1e6
-                except Exception as e:  # noqa: BLE001 - record it and go on
-                    cell["error"] = f"{type(e).__name__}: {e}"[:300]
-                results["cells"].append(cell)
-                print(json.dumps(cell), flush=True)
+                results["cells"].append(_timed(
+                    {"shape": name, "n": n, "k": k, "m": m, "sms": sms, "fmt": args.fmt,
+                     "layout": args.layout, "weight_bytes": gs[0].nbytes()},
+                    [lambda g=g: g(x, pdl=True, tuning=tuning) for g in gs]))
         del gs
         torch.cuda.empty_cache()
     dump()
-    print("\n| shape | M | SMs | us a call | GB/s |")
-    print("|---|---|---|---|---|")
-    for c in results["cells"]:
-        if "us" in c:
-            print(f"| {c['shape']} {c['n']}x{c['k']} | {c['m']} | {c['sms']} | {c['us']:.2f} | "
-                  f"{c['weight_bytes'] / c['us'] * 1e-3:.0f} |")
+    _table(results["cells"], ["shape", "M", "SMs", "us a call", "GB/s"],
+           lambda c: [f"{c['shape']} {c['n']}x{c['k']}", str(c["m"]), str(c["sms"]),
+                      f"{c['us']:.2f}", f"{c['weight_bytes'] / c['us'] * 1e-3:.0f}"])
 
 
 def run_train(results: dict, dump) -> None:
