@@ -17,6 +17,7 @@ path) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old m
     python benchmarks/fp4_matmul.py --overhead --ms 1,64   # what a small humming GEMM costs besides bytes
     python benchmarks/fp4_matmul.py --overhead-split       # where that cost is (configs, K, cuBLAS)
     python benchmarks/fp4_matmul.py --sms-scan --ms 1,64   # the same kernels on 1/4 .. all of the SMs
+    python benchmarks/fp4_matmul.py --launch gate_up --model 32b --ms 32  # 3 plain calls, for ncu
 
 ``--overhead``: humming's NVFP4 GEMM (bf16-scale layout, as the engine runs it) on N x 3584 from
 N = 256 (almost no bytes) to the 7B q/k/v and down widths, back-to-back calls without and with
@@ -321,6 +322,19 @@ def run_sms_scan(args, results: dict, dump) -> None:
                       f"{c['us']:.2f}", f"{c['weight_bytes'] / c['us'] * 1e-3:.0f}"])
 
 
+def run_launch(args) -> None:
+    """``--launch SHAPE``: three eager calls of that decode GEMM of ``--model`` at the first of
+    ``--ms`` rows, as the engine runs it (for a profiler: the first call compiles)."""
+    shapes = {name: (n, k) for name, n, k in model_gemm_shapes(args.model)}
+    n, k = shapes[args.launch]
+    g = _humming_copies(n, k, args.fmt, args.layout)[0]
+    x = torch.randn(int(args.ms.split(",")[0]), k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        g(x)
+    torch.cuda.synchronize()
+    print(f"{args.launch} {n}x{k} at M={x.shape[0]}: config {g.tuning_for(x.shape[0])}", flush=True)
+
+
 def run_train(results: dict, dump) -> None:
     """Forward + backward of a stack of FP4 layers at training size: the autograd function
     against plain autograd on the torch-dequantized weight (which saves every weight)."""
@@ -384,6 +398,8 @@ def main() -> None:  # pragma: no cover - GPU only
                     help="only where a small humming GEMM's fixed cost is (configs, K, cuBLAS)")
     ap.add_argument("--sms-scan", action="store_true",
                     help="only the decode GEMMs on 1/4, 1/2, 3/4 and all of the multiprocessors")
+    ap.add_argument("--launch", default=None, choices=("qkv", "o", "gate_up", "down"),
+                    help="only three plain calls of that GEMM (for a profiler)")
     ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"),
                     help="--sms-scan: the 4-bit format")
     ap.add_argument("--layout", default="bf16_scales", choices=("bf16_scales", "ct"),
@@ -393,6 +409,9 @@ def main() -> None:  # pragma: no cover - GPU only
     args = ap.parse_args()
     if args.layout == "bf16_scales" and args.fmt != "nvfp4":
         ap.error("--layout bf16_scales is for --fmt nvfp4 only; use --layout ct")
+    if args.launch:
+        run_launch(args)
+        return
     if args.crossover:
         args.methods = "humming_nvfp4,dequant_cublas_nvfp4,humming_mxfp4,dequant_cublas_mxfp4"
     legacy = None

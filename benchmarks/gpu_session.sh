@@ -88,6 +88,17 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout ${SMSSCAN_TIMEOUT:-150} python3 benchmarks/fp4_matmul.py --sms-scan --model ${SMSSCAN_MODEL:-7b} \
         --ms ${SMSSCAN_MS:-1,64} --fmt $F --layout $LAY \
         --json "$OUT/fp4_sms_scan_${SMSSCAN_MODEL:-7b}_${F}_${LAY}.json" ;;
+    ncu)  # Nsight Compute on one humming GEMM (NCU_SPECS: "model:shape:M ..."), boost clocks kept
+      if ! command -v ncu >/dev/null; then echo "ncu: not on this machine"; else
+        for spec in ${NCU_SPECS:-32b:gate_up:32 7b:qkv:1}; do IFS=: read -r mdl shp mm <<< "$spec"
+          timeout ${NCU_TIMEOUT:-120} ncu --clock-control none -k regex:humming --launch-skip 1 --launch-count 1 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
+            --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
+            --section Occupancy --section LaunchStats \
+            python3 benchmarks/fp4_matmul.py --launch $shp --model $mdl --ms $mm > "$OUT/ncu_${mdl}_${shp}_m${mm}.txt" 2>&1
+          echo "ncu $spec rc=$?"; grep -E "Duration|Throughput|Issue Slots Busy|No Eligible|Stall|Executed Ipc|Pipe" "$OUT/ncu_${mdl}_${shp}_m${mm}.txt" | head -40
+        done
+      fi ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)
