@@ -18,6 +18,7 @@ path) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old m
     python benchmarks/fp4_matmul.py --overhead-split       # where that cost is (configs, K, cuBLAS)
     python benchmarks/fp4_matmul.py --sms-scan --ms 1,64   # the same kernels on 1/4 .. all of the SMs
     python benchmarks/fp4_matmul.py --launch gate_up --model 32b --ms 32  # 3 plain calls, for ncu
+    python benchmarks/fp4_matmul.py --halves --model 32b --ms 32  # one GEMM or two halves at once
 
 ``--overhead``: humming's NVFP4 GEMM (bf16-scale layout, as the engine runs it) on N x 3584 from
 N = 256 (almost no bytes) to the 7B q/k/v and down widths, back-to-back calls without and with
@@ -29,6 +30,11 @@ for humming's chosen config and the same config without stream-K (no fix-up acro
 one CTA a multiprocessor, and both; against cuBLAS on bf16 weights of the same shapes and a
 Triton kernel that only waits for its predecessor and stores one value (with and without PDL):
 the floor of a kernel boundary in our decode chain.
+
+``--halves``: the gate/up and down GEMMs of ``--model`` as one humming GEMM (with and without PDL)
+against the same weight as two GEMMs of half the output columns, one after the other (PDL) or on
+two streams at once (a fork and a join in the graph): whether a second GEMM's CTAs can use the
+multiprocessors the first one's leave idle at its end.
 
 ``--sms-scan``: each decode GEMM of ``--model`` as the engine runs it (``--fmt nvfp4 --layout
 bf16_scales``, the engine's; ``--layout ct`` / ``--fmt mxfp4`` for the others; its config for the
@@ -322,6 +328,52 @@ def run_sms_scan(args, results: dict, dump) -> None:
                       f"{c['us']:.2f}", f"{c['weight_bytes'] / c['us'] * 1e-3:.0f}"])
 
 
+def run_halves(args, results: dict, dump) -> None:
+    """The ``--halves`` table (see the module docstring)."""
+    from qerl.kernels.humming_gemm import HummingFp4
+
+    side = torch.cuda.Stream()
+    for name, n, k in model_gemm_shapes(args.model):
+        if name not in ("gate_up", "down"):
+            continue
+        base = _fp4(n, k, "nvfp4")
+        h = n // 2
+
+        def gemm(rows: slice, t: dict) -> HummingFp4:
+            return HummingFp4("nvfp4", [(t["weight_packed"][rows], t["weight_scale"][rows],
+                                         t["weight_global_scale"])], layout="bf16_scales")
+
+        copies = [{kk: v.clone() for kk, v in base.items()} for _ in range(_copies(_fp4_bytes(base)))]
+        full = [gemm(slice(0, n), c) for c in copies]
+        halves = [(gemm(slice(0, h), c), gemm(slice(h, n), c)) for c in copies]
+        del copies
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def both(a, b):
+                side.wait_stream(torch.cuda.current_stream())
+                a(x)
+                with torch.cuda.stream(side):
+                    b(x)
+                torch.cuda.current_stream().wait_stream(side)
+
+            cases = {"one": [lambda g=g: g(x) for g in full],
+                     "one_pdl": [lambda g=g: g(x, pdl=True) for g in full],
+                     "halves_pdl": [lambda a=a, b=b: (a(x, pdl=True), b(x, pdl=True))
+                                    for a, b in halves],
+                     "halves_two_streams": [lambda a=a, b=b: both(a, b) for a, b in halves]}
+            for case, fns in cases.items():
+                results["cells"].append(_timed(
+                    {"shape": name, "n": n, "k": k, "m": m, "case": case,
+                     "weight_bytes": full[0].nbytes()}, fns))
+        del full, halves
+        torch.cuda.empty_cache()
+    dump()
+    _table(results["cells"], ["shape", "M", "case", "us a GEMM", "GB/s"],
+           lambda c: [f"{c['shape']} {c['n']}x{c['k']}", str(c["m"]), c["case"],
+                      f"{c['us']:.2f}", f"{c['weight_bytes'] / c['us'] * 1e-3:.0f}"])
+
+
 def run_launch(args) -> None:
     """``--launch SHAPE``: three eager calls of that decode GEMM of ``--model`` at the first of
     ``--ms`` rows, as the engine runs it (for a profiler: the first call compiles)."""
@@ -398,6 +450,8 @@ def main() -> None:  # pragma: no cover - GPU only
                     help="only where a small humming GEMM's fixed cost is (configs, K, cuBLAS)")
     ap.add_argument("--sms-scan", action="store_true",
                     help="only the decode GEMMs on 1/4, 1/2, 3/4 and all of the multiprocessors")
+    ap.add_argument("--halves", action="store_true",
+                    help="only gate/up and down as one GEMM or two halves (in turn, or at once)")
     ap.add_argument("--launch", default=None, choices=("qkv", "o", "gate_up", "down"),
                     help="only three plain calls of that GEMM (for a profiler)")
     ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"),
@@ -448,6 +502,9 @@ def main() -> None:  # pragma: no cover - GPU only
         return
     elif args.sms_scan:
         run_sms_scan(args, results, dump)
+        return
+    elif args.halves:
+        run_halves(args, results, dump)
         return
     else:
         run_shapes(args, results, dump, legacy)

@@ -99,6 +99,9 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
           echo "ncu $spec rc=$?"; grep -E "Duration|Throughput|Issue Slots Busy|No Eligible|Stall|Executed Ipc|Pipe" "$OUT/ncu_${mdl}_${shp}_m${mm}.txt" | head -40
         done
       fi ;;
+    halves)  # gate/up and down as one GEMM or two halves at once (do a second GEMM's CTAs fill the first's idle SMs?)
+      timeout ${HALVES_TIMEOUT:-150} python3 benchmarks/fp4_matmul.py --halves --model ${HALVES_MODEL:-32b} \
+        --ms ${HALVES_MS:-32} --json "$OUT/fp4_halves_${HALVES_MODEL:-32b}.json" ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)
