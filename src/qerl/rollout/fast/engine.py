@@ -84,10 +84,13 @@ class FastEngine:
         pdl: launch the decode step's Triton kernels and humming's GEMMs with programmatic
             dependent launch (:mod:`qerl.rollout.fast.pdl`); ``None``: where supported
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
-        lora_sms: with PDL and the fused LoRA on the main stream, humming's decode GEMMs leave
-            this many multiprocessors to the group's LoRA, which runs beside the GEMM (0: before
-            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38, and of
-            4 / 8 / 12 at 7B B=64, run 40); ``lora_end_wait``: ``"one"`` or ``"all"`` of its
+        lora_place: with PDL and the fused LoRA on the main stream, ``"beside"``: the group's
+            LoRA is launched after its humming GEMM and runs beside it, ``"before"``: before it
+            (beside was the faster at 7B B=1 and B=64 and 32B B=32, run 38).
+        lora_sms: beside the GEMM, the multiprocessors humming's decode GEMMs leave to the LoRA
+            (8 was the fastest of 8 / 16, run 38, and of 4 / 8 / 12 at 7B B=64, run 40; 0: the
+            GEMM keeps them all and the LoRA's programs run where they fit beside the GEMM's and
+            in its tail, not measured yet); ``lora_end_wait``: ``"one"`` or ``"all"`` of its
             programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
             run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
             at 7B B=1).
@@ -102,7 +105,8 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8, lora_end_wait: str = "one") -> None:
+                 lora_sms: int = 8, lora_end_wait: str = "one",
+                 lora_place: str = "beside") -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -112,6 +116,7 @@ class FastEngine:
         bool_or_none("pdl", pdl)
         int_in("lora_sms", lora_sms, 64, lo=0)
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
+        choice("lora_place", lora_place, ("beside", "before"))
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -130,6 +135,7 @@ class FastEngine:
         self.fused_lora_max_rows = fused_lora_max_rows
         self.humming_layout = humming_layout
         self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
+        self.lora_place = lora_place
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -335,7 +341,7 @@ class FastEngine:
                    backend: str, pdl: bool) -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
-               pdl, self.lora_sms, self.lora_end_wait)
+               pdl, self.lora_sms, self.lora_end_wait, self.lora_place)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -350,7 +356,7 @@ class FastEngine:
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None
         st.pdl = pdl
-        st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
+        st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device, self.lora_place)  # reads st.pdl
         st.lora_end_wait = self.lora_end_wait
         self._state = st
         return st
