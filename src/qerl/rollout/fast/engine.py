@@ -84,16 +84,12 @@ class FastEngine:
         pdl: launch the decode step's Triton kernels and humming's GEMMs with programmatic
             dependent launch (:mod:`qerl.rollout.fast.pdl`); ``None``: where supported
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
-        lora_place: with PDL and the fused LoRA on the main stream, ``"beside"``: the group's
-            LoRA is launched after its humming GEMM and runs beside it, ``"before"``: before it
-            (beside was the faster at 7B B=1 and B=64 and 32B B=32, run 38).
-        lora_sms: beside the GEMM, the multiprocessors humming's decode GEMMs leave to the LoRA
-            (8 was the fastest of 8 / 16, run 38, and of 4 / 8 / 12 at 7B B=64, run 40; 0: the
-            GEMM keeps them all and the LoRA's programs run where they fit beside the GEMM's and
-            in its tail, not measured yet); ``lora_end_wait``: ``"one"`` or ``"all"`` of its
-            programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
-            run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
-            at 7B B=1).
+        lora_place / lora_sms / lora_end_wait: with PDL and the fused LoRA on the main stream,
+            the group's LoRA runs ``"beside"`` its humming GEMM (launched after it, the faster,
+            run 38) or ``"before"`` it; beside, the GEMM leaves it ``lora_sms`` multiprocessors
+            (8: the fastest of 4 / 8 / 12 / 16, runs 38 and 40; 0: none, the LoRA runs where it
+            fits, not measured yet) and ``"one"`` or ``"all"`` of its programs wait for the GEMM
+            at their end (:func:`qerl.rollout.fast.lora.fused_lora`; "one" faster, runs 39-40).
     """
 
     name = "fast"
@@ -131,11 +127,9 @@ class FastEngine:
         self.keep_state = keep_state
         self.single_copy = single_copy
         self.attention_splits = attention_splits
-        self.lora_kernel = lora_kernel
-        self.fused_lora_max_rows = fused_lora_max_rows
-        self.humming_layout = humming_layout
-        self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
-        self.lora_place = lora_place
+        self.lora_kernel, self.fused_lora_max_rows = lora_kernel, fused_lora_max_rows
+        self.humming_layout, self.pdl = humming_layout, pdl
+        self.lora_sms, self.lora_end_wait, self.lora_place = lora_sms, lora_end_wait, lora_place
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -356,7 +350,7 @@ class FastEngine:
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None
         st.pdl = pdl
-        st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device, self.lora_place)  # reads st.pdl
+        st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device, self.lora_place)
         st.lora_end_wait = self.lora_end_wait
         self._state = st
         return st
