@@ -237,14 +237,16 @@ def _table(cells: list[dict], header: list[str], row) -> None:
             print(f"| {c['shape']} | error: {c['error'][:60]} |")
 
 
-def _humming_copies(n: int, k: int, fmt: str = "nvfp4", layout: str = "bf16_scales") -> list:
-    """Enough humming GEMMs of one random ``n x k`` weight (each its own copy) for a cold L2."""
+def _humming_copies(n: int, k: int, fmt: str = "nvfp4", layout: str = "bf16_scales",
+                    count: int | None = None) -> list:
+    """``count`` humming GEMMs of one random ``n x k`` weight (each prepares its own copy; by
+    default enough of them for a cold L2)."""
     from qerl.kernels.humming_gemm import HummingFp4
 
     base = _fp4(n, k, fmt)
     return [HummingFp4(fmt, [(base["weight_packed"], base["weight_scale"],
                                base.get("weight_global_scale"))], layout=layout)
-            for _ in range(_copies(_fp4_bytes(base)))]
+            for _ in range(count or _copies(_fp4_bytes(base)))]
 
 
 def run_overhead(args, results: dict, dump) -> None:
@@ -343,10 +345,9 @@ def run_halves(args, results: dict, dump) -> None:
             return HummingFp4("nvfp4", [(t["weight_packed"][rows], t["weight_scale"][rows],
                                          t["weight_global_scale"])], layout="bf16_scales")
 
-        copies = [{kk: v.clone() for kk, v in base.items()} for _ in range(_copies(_fp4_bytes(base)))]
-        full = [gemm(slice(0, n), c) for c in copies]
-        halves = [(gemm(slice(0, h), c), gemm(slice(h, n), c)) for c in copies]
-        del copies
+        copies = range(_copies(_fp4_bytes(base)))  # each HummingFp4 prepares its own copy
+        full = [gemm(slice(0, n), base) for _ in copies]
+        halves = [(gemm(slice(0, h), base), gemm(slice(h, n), base)) for _ in copies]
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
@@ -379,7 +380,7 @@ def run_launch(args) -> None:
     ``--ms`` rows, as the engine runs it (for a profiler: the first call compiles)."""
     shapes = {name: (n, k) for name, n, k in model_gemm_shapes(args.model)}
     n, k = shapes[args.launch]
-    g = _humming_copies(n, k, args.fmt, args.layout)[0]
+    (g,) = _humming_copies(n, k, args.fmt, args.layout, count=1)
     x = torch.randn(int(args.ms.split(",")[0]), k, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         g(x)
