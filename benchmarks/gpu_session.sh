@@ -60,8 +60,8 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 100 python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/kernels/test_gpu_fp4.py -k "humming" 2>&1 | tail -15
       echo "pytest rc=${PIPESTATUS[0]}" ;;
     pdltests)  # programmatic dependent launch and the LoRA beside the GEMM: the rollout against teacher
-      # forcing with and without them (8 cases, 7B widths; about 130 s)
-      timeout ${PDLTESTS_TIMEOUT:-180} python3 -m pytest -p no:cacheprovider -n 8 -rfE \
+      # forcing with and without them (6 cases, 7B widths; 8 cases did not finish in 180 s, run 61)
+      timeout ${PDLTESTS_TIMEOUT:-200} python3 -m pytest -p no:cacheprovider -n 6 -rfE \
         tests/rollout/test_fast_engine.py::test_gpu_pdl_rollout_matches_teacher_forcing 2>&1 | tail -25
       echo "pytest rc=${PIPESTATUS[0]}" ;;
     singlecopy)  # the single-copy engine leaves nothing of a call behind (cuBLAS workspaces included)

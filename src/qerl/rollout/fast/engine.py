@@ -87,8 +87,8 @@ class FastEngine:
         lora_place / lora_sms / lora_end_wait: with PDL and the fused LoRA on the main stream,
             the group's LoRA runs ``"beside"`` its humming GEMM (launched after it, the faster,
             run 38) or ``"before"`` it; beside, the GEMM leaves it ``lora_sms`` multiprocessors
-            (8: the fastest of 4 / 8 / 12 / 16, runs 38 and 40; 0: none, the LoRA runs where it
-            fits, not measured yet) and ``"one"`` or ``"all"`` of its programs wait for the GEMM
+            (8: the fastest of 4 / 8 / 12 / 16, runs 38 and 40; none, run 61: slower) and
+            ``"one"`` or ``"all"`` of its programs wait for the GEMM
             at their end (:func:`qerl.rollout.fast.lora.fused_lora`; "one" faster, runs 39-40).
     """
 
@@ -110,7 +110,7 @@ class FastEngine:
         if attention_splits is not None:
             int_in("attention_splits", attention_splits, 64)
         bool_or_none("pdl", pdl)
-        int_in("lora_sms", lora_sms, 64, lo=0)
+        int_in("lora_sms", lora_sms, 64)
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
         choice("lora_place", lora_place, ("beside", "before"))
         if kv_budget_gib is not None and not kv_budget_gib > 0:
