@@ -7,9 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 BLOCK_N, BLOCK_K = (64, 128, 256, 512), (32, 64, 128, 256)  # the wide search's tiles
+# the pipeline's unrolling (default: every stage), the epilogue's shared memory and chunking, and
+# the late A-scale load were added after run 62 (humming's own sampler varies them too)
 AROUND = {"num_stages": (3, 4, 6, 8), "num_ctas_per_sm": (1, 2, 3, 4),
           "use_stream_k": (True, False), "wgmma_split_issue_wait": (True,),
-          "evict_weights_first": (True,), "producer_registers": (40,), "multi_cast_size_a": (2,)}
+          "evict_weights_first": (True,), "producer_registers": (40,), "multi_cast_size_a": (2,),
+          "producer_stage_unroll": (1, 2), "consumer_stage_unroll": (1, 2),
+          "smem_reuse_mode": ("none", "last_stage"), "output_chunk_rows": (32, 64),
+          "wgmma_use_late_as": (True,)}
 WGMMA_ONLY = ("wgmma_split_issue_wait", "wgmma_use_late_as", "use_f16_accum")
 WARP_SPEC_ONLY = ("producer_registers", "multi_cast_size_a")
 TOP = 2
@@ -63,7 +68,7 @@ def around(cfg: dict) -> list[dict]:
     """Stage 2 of the wide search: ``cfg``'s one-step variations -- warp N (32, 64), two warps
     along M or one, warp K (32, 64, 128; the block K is kept), and each value of :data:`AROUND`
     that applies to its MMA kind (``wgmma_*``: wgmma; producer registers and multicast: with a
-    producer warp group)."""
+    producer warp group; a stage unroll only below the config's stages)."""
     bm, _, bk = cfg["block_shape"]
     wm, wn, wk = cfg["warp_shape"]
     warps = {(wm, v, wk) for v in (32, 64)} | {(wm, wn, v) for v in (32, 64, 128) if v <= bk}
@@ -74,7 +79,8 @@ def around(cfg: dict) -> list[dict]:
         if (key in WGMMA_ONLY and cfg.get("mma_type") != "wgmma") or \
                 (key in WARP_SPEC_ONLY and not cfg.get("use_warp_spec")):
             continue
-        out += [{**cfg, key: v} for v in values if cfg.get(key) != v]
+        out += [{**cfg, key: v} for v in values if cfg.get(key) != v
+                and not (key.endswith("_stage_unroll") and v >= cfg.get("num_stages", 2))]
     return out
 
 
