@@ -8,8 +8,9 @@ Two searches (``--search``), per row count M:
 - ``wide``: that, then three stages, each compiled in parallel and timed the same way:
   1. tiles (:func:`tile_candidates`): both MMA kinds (``mma``; ``wgmma`` with TMA and a
      producer warp group) x block N x block K, the M tile fitted to M;
-  2. around the ``TOP`` fastest tiles (:func:`around`): warp shape, pipeline stages, CTAs per
-     SM, stream-K and the TMA / wgmma switches, one at a time;
+  2. around the ``TOP`` fastest tiles (:func:`around`): warp shape, pipeline stages and their
+     unrolling, CTAs per SM, stream-K, the epilogue's shared memory and chunking and the TMA /
+     wgmma switches, one at a time;
   3. each of those tiles with every stage-2 change that beat it, together (:func:`combine`).
 
 Candidates humming's own checks reject (geometry, registers, shared memory) are dropped before
