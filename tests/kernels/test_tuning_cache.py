@@ -282,7 +282,7 @@ def test_around_changes_one_field_and_only_applicable_ones() -> None:
         warps = [tuple(v["warp_shape"]) for v in vs if v["warp_shape"] != base["warp_shape"]]
         assert all(base["block_shape"][i] % w[i] == 0 for w in warps for i in range(3))
     assert (32, 32, 64) in [tuple(v["warp_shape"]) for v in around(HEUR_WGMMA)]  # 2 warps on M
-    assert {"producer_registers", "multi_cast_size_a", "wgmma_use_late_as", "smem_reuse_mode",
+    assert {"producer_registers", "multi_cast_size_a", "smem_reuse_mode",
             "output_chunk_rows", "producer_stage_unroll", "consumer_stage_unroll"} <= {
         k for v in around(HEUR_WGMMA) for k in v if k not in HEUR_WGMMA}
     # a stage unroll is only tried below the config's stages (at or above it is the default)
