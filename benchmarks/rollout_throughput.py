@@ -20,8 +20,8 @@ compressed-tensors layout, ``FastEngine(humming_layout="ct")``; the other column
 default, bf16 group scales), ``fast_bf16_nopdl`` / ``fast_nvfp4_nopdl`` / ``fast_nvfp4_lora_nopdl``
 (the decode kernels without programmatic dependent launch, ``FastEngine(pdl=False)``; the other
 columns run the engine's default, PDL where the GPU has it), ``fast_nvfp4_lora_before`` (the
-fused LoRA before humming's GEMM, ``FastEngine(lora_place="before")``), ``fast_nvfp4_lora_beside4``
-/ ``_beside8`` / ``_beside12`` / ``_beside16`` (beside the GEMM, which leaves it 4 / 8 / 12 / 16
+fused LoRA before humming's GEMM, ``FastEngine(lora_sms=0)``), ``fast_nvfp4_lora_beside4`` /
+``_beside8`` / ``_beside12`` / ``_beside16`` (beside the GEMM, which leaves it 4 / 8 / 12 / 16
 multiprocessors, ``lora_sms=4`` / ... / ``16``;
 8 is the engine's default, so ``_beside8`` is ``fast_nvfp4_lora``), ``fast_nvfp4_lora_onewait`` /
 ``_allwait`` (beside the GEMM, one LoRA program waiting for it at its end, or all of them,
@@ -81,7 +81,7 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_fused64": dict(fused_lora_max_rows=64),
                        "fast_nvfp4_lora_ct": dict(humming_layout="ct"),
                        "fast_nvfp4_lora_nopdl": dict(pdl=False),
-                       "fast_nvfp4_lora_before": dict(lora_place="before"),
+                       "fast_nvfp4_lora_before": dict(lora_sms=0),
                        "fast_nvfp4_lora_beside4": dict(lora_sms=4),
                        "fast_nvfp4_lora_beside8": dict(lora_sms=8),
                        "fast_nvfp4_lora_beside12": dict(lora_sms=12),

@@ -327,13 +327,11 @@ def test_bad_engine_options() -> None:
         FastEngine(humming_layout="e4m3")
     with pytest.raises(ValueError, match="pdl must be True, False or None"):
         FastEngine(pdl="on")
-    for bad in (0, -1, 65, True, 8.0):
-        with pytest.raises(ValueError, match="lora_sms must be an int in 1..64"):
+    for bad in (-1, 65, True, 8.0):
+        with pytest.raises(ValueError, match="lora_sms must be an int in 0..64"):
             FastEngine(lora_sms=bad)
     with pytest.raises(ValueError, match="lora_end_wait must be one or all"):
         FastEngine(lora_end_wait="none")
-    with pytest.raises(ValueError, match="lora_place must be beside or before"):
-        FastEngine(lora_place="after")
     # asked for where it cannot work: refused before the prefill, naming the option and the fix
     eng = FastEngine(backend="torch", pdl=True)
     with pytest.raises(ValueError, match=r"pdl=True needs a CUDA GPU .* use pdl=None"):
@@ -457,18 +455,15 @@ def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows, max_r
 
 
 @gpu
-@pytest.mark.parametrize("n_rows,lora_kernel,place,lora_sms,end_wait", [
-    (1, "fused", "before", 8, "all"), (8, "fused", "before", 8, "all"),
-    (8, "cublas", "beside", 8, "all"), (1, "fused", "beside", 16, "all"),
-    (8, "fused", "beside", 16, "one"), (8, "fused", "beside", 8, "one")])
-def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel, place, lora_sms,
-                                                 end_wait) -> None:
+@pytest.mark.parametrize("n_rows,lora_kernel,lora_sms,end_wait", [
+    (1, "fused", 0, "all"), (8, "fused", 0, "all"), (8, "cublas", 0, "all"),
+    (1, "fused", 16, "all"), (8, "fused", 16, "one"), (8, "fused", 8, "one")])
+def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel, lora_sms, end_wait) -> None:
     """Programmatic dependent launch changes when kernels start, not what they compute: at 7B
     widths (two layers, NVFP4 + LoRA: humming, the fused LoRA's ticket protocol or the cuBLAS
     pair on its side stream, every Triton kernel) the rollout with it agrees with a full forward
     pass as closely as the one without; so does the fused LoRA run beside the GEMM
-    (``lora_place="beside"``: launched after it, waiting at its end; the GEMM leaving it
-    ``lora_sms`` multiprocessors). (Not token for token: the rollout is not bitwise
+    (``lora_sms``: launched after it, waiting at its end). (Not token for token: the rollout is not bitwise
     reproducible from run to run even without PDL -- the prefill's first log-prob already
     varies, run 35 of docs/benchmarks.md -- so greedy tokens of a random model diverge.)"""
     if not pdl_supported(torch.device("cuda")):
@@ -483,11 +478,11 @@ def test_gpu_pdl_rollout_matches_teacher_forcing(n_rows, lora_kernel, place, lor
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for pdl in (False, True):
         eng = FastEngine(pdl=pdl, lora_kernel=lora_kernel, lora_sms=lora_sms,
-                         lora_end_wait=end_wait, lora_place=place)
+                         lora_end_wait=end_wait)
         out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
         assert eng.last_stats["pdl"] is pdl and eng.last_stats["cuda_graph"]
         assert eng.last_stats["lora_kernel"] == lora_kernel
-        beside = pdl and place == "beside" and lora_kernel == "fused"
+        beside = pdl and lora_sms > 0 and lora_kernel == "fused"
         assert eng.last_stats["gemm_sms"] == (sms - lora_sms if beside else None)
         errs[pdl] = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
     assert errs[True].mean() < 0.05 and errs[True].max() < 0.5, errs[True]

@@ -88,8 +88,7 @@ def test_launch_options_name_the_kernel_flag_and_the_launch_attribute() -> None:
 def test_lora_runs_beside_the_gemm_only_with_pdl_and_the_fused_kernel_on_the_main_stream(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``FastEngine(lora_sms=N)``: humming's GEMMs get all but N multiprocessors only where the
-    fused LoRA can run beside them (PDL on, the fused kernel, no side stream) and ``lora_place``
-    is ``"beside"``."""
+    fused LoRA can run beside them (PDL on, the fused kernel, no side stream)."""
     from types import SimpleNamespace
 
     from qerl.rollout.fast.options import beside_gemm_sms
@@ -98,7 +97,7 @@ def test_lora_runs_beside_the_gemm_only_with_pdl_and_the_fused_kernel_on_the_mai
                         lambda device: SimpleNamespace(multi_processor_count=132))
     ok = dict(pdl=True, lora_fused={"qkv": ()}, side=None)
     assert beside_gemm_sms(SimpleNamespace(**ok), 16, CUDA) == 116
-    assert beside_gemm_sms(SimpleNamespace(**ok), 16, CUDA, "before") is None
+    assert beside_gemm_sms(SimpleNamespace(**ok), 0, CUDA) is None
     for why in (dict(pdl=False), dict(lora_fused=None), dict(side=object())):
         assert beside_gemm_sms(SimpleNamespace(**{**ok, **why}), 16, CUDA) is None, why
     # a GPU with no more multiprocessors than asked for: the GEMM keeps them all

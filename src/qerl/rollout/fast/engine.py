@@ -84,12 +84,13 @@ class FastEngine:
         pdl: launch the decode step's Triton kernels and humming's GEMMs with programmatic
             dependent launch (:mod:`qerl.rollout.fast.pdl`); ``None``: where supported
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
-        lora_place / lora_sms / lora_end_wait: with PDL and the fused LoRA on the main stream,
-            the group's LoRA runs ``"beside"`` its humming GEMM (launched after it, the faster,
-            run 38) or ``"before"`` it; beside, the GEMM leaves it ``lora_sms`` multiprocessors
-            (8: the fastest of 4 / 8 / 12 / 16, runs 38 and 40; none, run 61: slower) and
-            ``"one"`` or ``"all"`` of its programs wait for the GEMM
-            at their end (:func:`qerl.rollout.fast.lora.fused_lora`; "one" faster, runs 39-40).
+        lora_sms: with PDL and the fused LoRA on the main stream, humming's decode GEMMs leave
+            this many multiprocessors to the group's LoRA, which runs beside the GEMM (0: before
+            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38, and of
+            4 / 8 / 12 at 7B B=64, run 40); ``lora_end_wait``: ``"one"`` or ``"all"`` of its
+            programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
+            run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
+            at 7B B=1).
     """
 
     name = "fast"
@@ -101,8 +102,7 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8, lora_end_wait: str = "one",
-                 lora_place: str = "beside") -> None:
+                 lora_sms: int = 8, lora_end_wait: str = "one") -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -110,9 +110,8 @@ class FastEngine:
         if attention_splits is not None:
             int_in("attention_splits", attention_splits, 64)
         bool_or_none("pdl", pdl)
-        int_in("lora_sms", lora_sms, 64)
+        int_in("lora_sms", lora_sms, 64, lo=0)
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
-        choice("lora_place", lora_place, ("beside", "before"))
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
@@ -127,9 +126,10 @@ class FastEngine:
         self.keep_state = keep_state
         self.single_copy = single_copy
         self.attention_splits = attention_splits
-        self.lora_kernel, self.fused_lora_max_rows = lora_kernel, fused_lora_max_rows
-        self.humming_layout, self.pdl = humming_layout, pdl
-        self.lora_sms, self.lora_end_wait, self.lora_place = lora_sms, lora_end_wait, lora_place
+        self.lora_kernel = lora_kernel
+        self.fused_lora_max_rows = fused_lora_max_rows
+        self.humming_layout = humming_layout
+        self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -335,7 +335,7 @@ class FastEngine:
                    backend: str, pdl: bool) -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
-               pdl, self.lora_sms, self.lora_end_wait, self.lora_place)
+               pdl, self.lora_sms, self.lora_end_wait)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -350,7 +350,7 @@ class FastEngine:
         overlap = st.lora_fused is None and bool(st.lora_out) if overlap is None else overlap
         st.side = self._stream(plan.device, "lora") if overlap else None
         st.pdl = pdl
-        st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device, self.lora_place)
+        st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
         st.lora_end_wait = self.lora_end_wait
         self._state = st
         return st

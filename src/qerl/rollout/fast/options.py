@@ -38,13 +38,11 @@ def resolve_pdl(requested: bool | None, device: torch.device) -> bool:
     return requested
 
 
-def beside_gemm_sms(st, lora_sms: int, device: torch.device,
-                    place: str = "beside") -> int | None:
-    """Multiprocessors humming's decode GEMMs get when the fused LoRA runs beside them (``place``
-    ``"beside"``): all but ``lora_sms``, where that applies to state ``st`` (PDL on, the fused
-    kernel on the main stream) and at least one is left to the GEMM; else ``None`` (the LoRA
-    before the GEMM)."""
-    if place != "beside" or not (st.pdl and st.lora_fused is not None and st.side is None):
+def beside_gemm_sms(st, lora_sms: int, device: torch.device) -> int | None:
+    """Multiprocessors humming's decode GEMMs get when the fused LoRA runs beside them: all but
+    ``lora_sms``, where that applies to state ``st`` (PDL on, the fused kernel on the main
+    stream) and at least one is left to the GEMM; else ``None`` (the LoRA before the GEMM)."""
+    if not (st.pdl and lora_sms and st.lora_fused is not None and st.side is None):
         return None
     sms = torch.cuda.get_device_properties(device).multi_processor_count - lora_sms
     return sms if sms > 0 else None
