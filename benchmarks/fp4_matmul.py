@@ -9,7 +9,10 @@ scales) and is also given as a fraction of the measured device copy bandwidth (b
 written per second). Methods: ``cublas_bf16`` (F.linear on bf16 weights), ``humming_nvfp4`` /
 ``humming_mxfp4`` (humming-kernels, tuned configs when the tuning file has them),
 ``dequant_cublas_<fmt>`` (our Triton dequantize into the scratch + cuBLAS, the training / large-M
-path) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old module).
+path), ``gemv_<fmt>`` (our FP4 GEMV for a few rows, ``qerl.kernels.fp4_gemv``; ``gemv8x2p1_<fmt>``:
+8 warps a CTA, batches of 2 steps, the next batch loading while one computes; ``_pdl``,
+``_sms124`` (at most that many multiprocessors' worth of CTAs) and humming's ``_bf16s`` copy:
+see ``_gemm``) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old module).
 
     python benchmarks/fp4_matmul.py --model 7b --ms 1,16,64,256 --json fp4_matmul.json
     python benchmarks/fp4_matmul.py --crossover --ms 64,128,256,512,1024,2048   # humming vs dequant
@@ -145,13 +148,13 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
     base = _fp4(n, k, fmt)
     nb = _fp4_bytes(base)
     copies = [{kk: v.clone() for kk, v in base.items()} for _ in range(_copies(nb))]
-    if method.startswith("humming"):
-        from qerl.kernels.humming_gemm import HummingFp4
-
-        gs = [HummingFp4(fmt, [(c["weight_packed"], c["weight_scale"],
-                                c.get("weight_global_scale"))]) for c in copies]
+    if method.startswith(("humming", "gemv")):
+        gs = [_gemm(method, fmt, c) for c in copies]
         del copies
-        return [lambda g=g: g(x) for g in gs], nb
+        pdl = "pdl" in method.split("_")
+        sms = [int(t[3:]) for t in method.split("_") if t.startswith("sms")]
+        kw = {"sms": sms[0]} if sms else {}
+        return [lambda g=g: g(x, pdl=pdl, **kw) for g in gs], nb
     if method.startswith("dequant_cublas"):
         w = dequant.scratch(x.device, torch.bfloat16, n, k)
 
@@ -168,6 +171,25 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
     raise ValueError(method)
 
 
+def _gemm(method: str, fmt: str, t: dict):
+    """The GEMM object a ``humming*`` / ``gemv*`` method times: ``humming[_bf16s][_pdl]_<fmt>``
+    (humming's ``ct`` or ``bf16_scales`` copy, tuned configs where the file has them),
+    ``gemv[WxUpP][_pdl]_<fmt>`` (our FP4 GEMV, :mod:`qerl.kernels.fp4_gemv`, with W warps a
+    CTA, U steps a batch, pipelined P = 0 / 1; its default for the shape without ``WxUpP``)."""
+    member = [(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"))]
+    head = method.split("_")[0]
+    if head == "humming":
+        from qerl.kernels.humming_gemm import HummingFp4
+
+        return HummingFp4(fmt, member,
+                          layout="bf16_scales" if "bf16s" in method.split("_") else "ct")
+    from qerl.kernels.fp4_gemv import Fp4Gemv
+
+    variant = (tuple(int(v) for v in head[4:].replace("p", "x").split("x"))
+               if head != "gemv" else None)
+    return Fp4Gemv(fmt, member, variant=variant)
+
+
 def check_accuracy(method: str, n: int, k: int, m: int, legacy=None) -> float:
     """Relative error of one call against dequantize-in-float32-then-matmul."""
     if method == "cublas_bf16":
@@ -176,11 +198,11 @@ def check_accuracy(method: str, n: int, k: int, m: int, legacy=None) -> float:
     t = _fp4(n, k, fmt)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ FORMATS[fmt].dequantize(t, torch.float32).t()
-    if method.startswith("humming"):
-        from qerl.kernels.humming_gemm import HummingFp4
-
-        y = HummingFp4(fmt, [(t["weight_packed"], t["weight_scale"],
-                              t.get("weight_global_scale"))])(x)
+    if method.startswith(("humming", "gemv")):
+        g = _gemm(method, fmt, t)
+        y = g(x)
+        if getattr(g, "col_scale", None) is not None and method.startswith("humming"):
+            y = y.float() * g.col_scale
     elif method.startswith("dequant"):
         w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
         y = F.linear(x, dequant.dequantize_into(w, fmt, t["weight_packed"], t["weight_scale"],

@@ -1,0 +1,287 @@
+// FP4 weights times a few activation rows (M <= 8) on Hopper tensor cores: y = x @ W^T.
+//
+// Reads the compressed-tensors tensors where they are (codes [N_i, K/2] bytes, low nibble first;
+// NVFP4: E4M3 group scales [N_i, K/16]; MXFP4: E8M0 group scales [N_i, K/32]) of up to three
+// weights that share the input, side by side along N (rows [0, end0), [end0, end1), [end1, N);
+// each a whole number of 16-row tiles), and computes, per output feature n and row m,
+// colscale[n] * sum_k x[m, k] * code(n, k) * scale(n, k / group).
+//
+// A CTA loops over tiles of 16 output features (as many CTAs as the caller lets fit beside what
+// runs next); its NWARPS warps split K in steps of 128. In a step, lane
+// (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of feature g and of feature g + 8, at
+// codes [128 s + 32 t, +32). A mma.m16n8k16 sums over 16 "logical" k of a lane group; which
+// physical k a logical k stands for is free as long as the weight (A) and activation (B) operands
+// agree, so each lane decodes its own 32 codes in place and reads the activations at the same
+// physical k from shared memory (stored there once per CTA as fp16, in the pair order the
+// decode produces: codes q and q + 4 of each 32-bit word). Columns of B beyond M are zero.
+//
+// Decode: nibble q of a word becomes the f16 bits (sign << 15 | magnitude << 9) = e2m1 * 2^-14
+// (exact, e2m1's subnormal 0.5 included), two codes per f16x2; then one multiply by the group
+// scale as f16 (NVFP4: E4M3 * 2^7, exact; MXFP4: 2^(e - mx_bias - 15)), accumulated in fp32 by
+// the tensor core; colscale folds the 2^-7 (or the MXFP4 bias) and 1 / global scale back in.
+//
+// Compile-time: MX (0 NVFP4, 1 MXFP4), NWARPS (warps a CTA), UNR (steps a warp loads at once),
+// PIPE (1: the next UNR steps load while these compute; 0: after), MROWS (rows compiled for).
+// Requirements (checked by the Python side): K % 128 == 0, x rows contiguous, M <= 8.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+#ifndef MX
+#define MX 0
+#endif
+#ifndef NWARPS
+#define NWARPS 8
+#endif
+#ifndef UNR
+#define UNR 2
+#endif
+#ifndef PIPE
+#define PIPE 1
+#endif
+
+struct __align__(16) U4 { u32 x, y, z, w; };
+
+// A coherent 16-byte load that skips L1 (ld.global.cg). The activations are written by the
+// kernel before this one, which with programmatic dependent launch may still run after this one
+// starts: the read-only (.nc) path that __restrict__ const allows could then serve stale lines.
+__device__ __forceinline__ U4 load_coherent(const U4* p) {
+  U4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Pairs (q, q + 4), q = 0..3, of the 8 codes in w, as f16x2 of e2m1 * 2^-14.
+__device__ __forceinline__ void decode8(u32 w, u32 (&p)[4]) {
+  p[3] = (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u);
+  w <<= 4;
+  p[2] = (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u);
+  w <<= 4;
+  p[1] = (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u);
+  w <<= 4;
+  p[0] = (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u);
+}
+
+// The group scales of a lane's 32 codes of one feature as f16x2 {s, s}: [0] codes 0-15, [1] 16-31.
+__device__ __forceinline__ void scales_f16(const u8* __restrict__ s, int mx_bias, u32 (&out)[2]) {
+#if MX
+  int e = (int)(*s) - mx_bias;
+  e = e < 0 ? 0 : (e > 30 ? 30 : e);
+  u32 h = (u32)e << 10;
+  out[0] = out[1] = h | (h << 16);
+#else
+  u16 two = *reinterpret_cast<const u16*>(s);
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(two));
+  h = hmul2(h, 0x58005800u);  // * 2^7, exact (E4M3 <= 448)
+  out[0] = __byte_perm(h, 0, 0x1010);
+  out[1] = __byte_perm(h, 0, 0x3232);
+#endif
+}
+
+#ifndef MROWS
+#define MROWS 1
+#endif
+#define XR ((MROWS + 1) / 2)  // 16-byte activation chunks a lane loads a step (16 lanes a row)
+static_assert(NWARPS * UNR * MROWS * 16 * 16 + NWARPS * 32 * 16 <= 48 * 1024, "shared memory");
+
+struct Step {
+  U4 a, b;           // 32 codes of feature g and of feature g + 8
+  u32 sa[2], sb[2];  // their group scales as f16x2
+  U4 xr[XR];         // 8 bf16 activations of rows 2 i + lane / 16, at 8 (lane % 16) in the step
+};
+
+// The pair-ordered f16 of 8 bf16 (x0..x7 -> (x0, x4), (x1, x5), (x2, x6), (x3, x7)).
+__device__ __forceinline__ U4 pair_order(U4 v) {
+  U4 o;
+  o.x = f32x2_to_f16x2(__uint_as_float(v.x << 16), __uint_as_float(v.z << 16));
+  o.y = f32x2_to_f16x2(__uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.z & 0xFFFF0000u));
+  o.z = f32x2_to_f16x2(__uint_as_float(v.y << 16), __uint_as_float(v.w << 16));
+  o.w = f32x2_to_f16x2(__uint_as_float(v.y & 0xFFFF0000u), __uint_as_float(v.w & 0xFFFF0000u));
+  return o;
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32)
+    fp4_gemv(const U4* x, const U4* __restrict__ w0, const u8* __restrict__ s0,
+             const U4* __restrict__ w1, const u8* __restrict__ s1, const U4* __restrict__ w2,
+             const u8* __restrict__ s2, int end0, int end1, const float* __restrict__ colscale,
+             u16* __restrict__ out, int M, int N, int K, int ldo, int mx_bias) {
+  __shared__ U4 xs[NWARPS][UNR][MROWS][16];  // a warp's activations of its UNR steps, f16 pairs
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 5;  // 16-byte chunks a feature
+  const int steps = K >> 7;
+  const int xstride = K >> 3;  // 16-byte chunks of an activation row
+#if MX
+  const int sgroups = K >> 5;
+#else
+  const int sgroups = K >> 4;
+#endif
+  const U4 *wa, *wb;  // this tile's two features (set per tile)
+  const u8 *sa, *sb;
+
+  auto load_w = [&](Step (&s)[UNR], int first) {
+#pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+      const int st = first + u * NWARPS;
+      if (st < steps) {
+        s[u].a = wa[st * 4];
+        s[u].b = wb[st * 4];
+#if MX
+        scales_f16(sa + st * 4 + t, mx_bias, s[u].sa);
+        scales_f16(sb + st * 4 + t, mx_bias, s[u].sb);
+#else
+        scales_f16(sa + st * 8 + 2 * t, mx_bias, s[u].sa);
+        scales_f16(sb + st * 8 + 2 * t, mx_bias, s[u].sb);
+#endif
+      }
+    }
+  };
+  auto load_x = [&](Step (&s)[UNR], int first) {
+#pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+      const int st = first + u * NWARPS;
+#pragma unroll
+      for (int i = 0; i < XR; ++i) {
+        const int row = 2 * i + (lane >> 4);
+        if (st < steps && row < M)
+          s[u].xr[i] = load_coherent(x + (u64)row * xstride + st * 16 + (lane & 15));
+      }
+    }
+  };
+  float c0[4], c1[4];
+  auto compute = [&](Step (&s)[UNR], int first) {
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+#pragma unroll
+      for (int i = 0; i < XR; ++i) {
+        const int row = 2 * i + (lane >> 4);
+        if (row < M) xs[warp][u][row][lane & 15] = pair_order(s[u].xr[i]);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+      const int st = first + u * NWARPS;
+      if (st < steps) {
+        const u32 wa4[4] = {s[u].a.x, s[u].a.y, s[u].a.z, s[u].a.w};
+        const u32 wb4[4] = {s[u].b.x, s[u].b.y, s[u].b.z, s[u].b.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          u32 pa[4], pb[4];
+          decode8(wa4[j], pa);
+          decode8(wb4[j], pb);
+          const u32 ska = s[u].sa[j >> 1], skb = s[u].sb[j >> 1];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            pa[q] = hmul2(pa[q], ska);
+            pb[q] = hmul2(pb[q], skb);
+          }
+          U4 xb = {0u, 0u, 0u, 0u};
+          if (g < M) xb = xs[warp][u][g][4 * t + j];
+          mma16816(c0, pa[0], pb[0], pa[1], pb[1], xb.x, xb.y);
+          mma16816(c1, pa[2], pb[2], pa[3], pb[3], xb.z, xb.w);
+        }
+      }
+    }
+  };
+
+  __shared__ float red[NWARPS][32][4];
+  // Persistent over tiles of 16 features (a grid smaller than the tiles leaves room beside it).
+  for (int tile = blockIdx.x, first_tile = 1; tile * 16 < N; tile += gridDim.x, first_tile = 0) {
+    const int row0 = tile * 16;
+    // The member weight this tile is in (members hold whole tiles): its rows from `start`.
+    const int mem = row0 >= end1 ? 2 : (row0 >= end0 ? 1 : 0);
+    const U4* w = mem == 0 ? w0 : (mem == 1 ? w1 : w2);
+    const u8* scale = mem == 0 ? s0 : (mem == 1 ? s1 : s2);
+    const int start = mem == 0 ? 0 : (mem == 1 ? end0 : end1);
+    const int last = (mem == 0 ? end0 : (mem == 1 ? end1 : N)) - 1;
+    const int ra = min(row0 + g, last) - start, rb = min(row0 + g + 8, last) - start;
+    wa = w + (u64)ra * chunks + t;
+    wb = w + (u64)rb * chunks + t;
+    sa = scale + (u64)ra * sgroups;
+    sb = scale + (u64)rb * sgroups;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c0[i] = c1[i] = 0.f;
+    Step cur[UNR];
+    load_w(cur, warp);  // the weights do not depend on the kernel before: load them before waiting
+    if (first_tile) asm volatile("griddepcontrol.wait;" ::: "memory");
+    load_x(cur, warp);
+    if (first_tile) asm volatile("griddepcontrol.launch_dependents;");
+#if PIPE
+    // Two batches of UNR steps in flight: the next one loads while this one computes.
+    Step nxt[UNR];
+    for (int first = warp; first < steps; first += 2 * NWARPS * UNR) {
+      const int second = first + NWARPS * UNR;
+      load_w(nxt, second);
+      load_x(nxt, second);
+      compute(cur, first);
+      if (second >= steps) break;
+      load_w(cur, second + NWARPS * UNR);
+      load_x(cur, second + NWARPS * UNR);
+      compute(nxt, second);
+    }
+#else
+    // One batch in flight (fewer registers, more warps): load the next batch after this one.
+    for (int first = warp; first < steps; first += NWARPS * UNR) {
+      compute(cur, first);
+      load_w(cur, first + NWARPS * UNR);
+      load_x(cur, first + NWARPS * UNR);
+    }
+#endif
+    float c[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = c0[i] + c1[i];
+
+    // Sum the warps' partial tiles, then write the M valid columns.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int v = 1; v < NWARPS; ++v)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[i] += red[v][lane][i];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 2 * t + (i & 1);
+        const int n = row0 + g + ((i & 2) ? 8 : 0);
+        if (m < M && n < N) {
+          const float y = c[i] * colscale[n];
+          u32 bits = __float_as_uint(y);
+          bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even bf16
+          if ((__float_as_uint(y) & 0x7F800000u) == 0x7F800000u) bits = __float_as_uint(y);
+          out[(u64)m * ldo + n] = (u16)(bits >> 16);
+        }
+      }
+    }
+    __syncthreads();  // red is rewritten by the next tile
+  }
+}

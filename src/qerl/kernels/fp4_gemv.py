@@ -1,0 +1,252 @@
+"""Our FP4 GEMM for a few rows (decode at ``M <= MAX_M``) on Hopper: ``fp4_gemv.cu``.
+
+At one row humming's smallest tile is 8 rows, and its decode GEMMs are bound by the loads one
+multiprocessor keeps in flight (docs/benchmarks.md, runs 55-58), not by the DRAM. This kernel is
+written for that case: every CTA owns 16 output features and splits K over its warps, each lane
+streams 16-byte chunks of the stored compressed-tensors codes straight into registers, decodes them
+with a few integer operations per pair of codes and lets the tensor cores (``mma.m16n8k16``) do the
+multiply-adds, in fp32 (the layout and the arithmetic are described in the ``.cu`` file).
+
+:class:`Fp4Gemv` runs one or several FP4 weights that share the input (q/k/v, gate/up) as one
+GEMM whose output columns are theirs side by side, reading the stored tensors in place (no copy:
+no memory beyond a per-column factor), and applies ``1 / weight_global_scale`` per output column
+itself, so its output is the finished ``x @ W^T`` (no ``col_scale`` for the consumer).
+The kernel compiles with NVRTC (``cuda-bindings``, part of the CUDA stack torch brings) on first
+use, once per process and variant. CPU installs never compile it; :func:`supports` says where it
+runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from collections.abc import Sequence
+from importlib import resources
+
+import torch
+
+from qerl.quant.formats import FORMATS
+
+__all__ = ["MAX_M", "STEP_K", "Fp4Gemv", "default_variant", "mx_bias", "preferred", "supports"]
+
+MAX_M = 8  # columns of the tensor-core tile the activations occupy
+STEP_K = 128  # K a warp covers per step: K must be a multiple
+_LOCK = threading.Lock()
+
+
+def supports(fmt: str, k: int, m: int, dtype: torch.dtype, device: torch.device | None = None) -> bool:
+    """Whether the kernel runs ``m`` rows of bf16 ``dtype`` activations against FP4 weights with
+    ``k`` inputs (on ``device``: CUDA of compute capability 9.0 or newer)."""
+    if fmt not in ("nvfp4", "mxfp4") or dtype != torch.bfloat16 or not 0 < m <= MAX_M:
+        return False
+    if k % STEP_K:
+        return False
+    if device is not None:
+        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+            return False
+    return True
+
+
+def default_variant(n: int, k: int) -> tuple[int, int, int]:
+    """``(warps a CTA, steps a warp loads at once, pipelined)`` for an ``n x k`` weight (see the
+    ``.cu`` file), the fastest at one row of the fp4_matmul benchmark's ``gemv`` scan (H100, run
+    68 of docs/benchmarks.md): many CTAs (the 7B gate/up's 2,368) want small ones and one step in
+    flight; a few hundred (q/k/v, o, down) want 8 warps, and two steps each where K is short."""
+    if -(-n // 16) >= 1024:
+        return 4, 1, 0
+    return (8, 1, 0) if k // STEP_K >= 64 else (8, 2, 0)
+
+
+def preferred(n: int, k: int) -> bool:
+    """Whether the GEMV is the faster kernel for an ``n x k`` weight at one row: not for a long K
+    (the 7B down projection, K = 18,944: 23.4 against humming's 21.4 us in run 68 of
+    docs/benchmarks.md, where q/k/v, o and gate/up were 15-36 % faster)."""
+    return k // STEP_K < 64
+
+
+def mx_bias(scale: torch.Tensor) -> int:
+    """MXFP4: the exponent offset that maps the largest E8M0 group scale of ``scale`` to the
+    largest binade of float16 (2^15); groups 2^30 below it flush to zero."""
+    return int(scale.view(torch.uint8).max().item()) - 30
+
+
+def _col_scale(fmt: str, members, n_sizes: Sequence[int], bias: int, device) -> torch.Tensor:
+    """Per output column: the factor the kernel's fp32 sum is multiplied by (see the ``.cu``)."""
+    if fmt == "nvfp4":
+        gs = [m[2].reshape(1).float().to(device) for m in members]
+        return torch.cat([torch.full((n,), 2.0 ** 7, device=device) / g
+                          for n, g in zip(n_sizes, gs, strict=True)]).contiguous()
+    return torch.full((sum(n_sizes),), 2.0 ** (bias - 98), device=device)
+
+
+class Fp4Gemv:
+    """``y = x @ W^T`` for ``x [M, K]`` (bf16, ``M <= MAX_M``) and FP4 weights stacked along N.
+
+    Args:
+        fmt: "nvfp4" or "mxfp4".
+        members: ``(weight_packed, weight_scale, weight_global_scale or None)`` per weight (at
+            most 3, each but the last a multiple of 16 rows), all with the same K (a multiple of
+            ``STEP_K``), contiguous, on one CUDA device; read in place by every call (never
+            written), so they must stay alive and where they are.
+        variant: ``(warps a CTA, steps a warp loads at once, pipelined 0 / 1)``;
+            :func:`default_variant` if None.
+    """
+
+    def __init__(self, fmt: str, members: Sequence[tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor | None]],
+                 variant: tuple[int, int, int] | None = None) -> None:
+        if fmt not in ("nvfp4", "mxfp4"):
+            raise ValueError(f"Fp4Gemv: fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
+        packed = [m[0] for m in members]
+        self.fmt = fmt
+        self.n_sizes = [int(p.shape[0]) for p in packed]
+        self.n, self.k = sum(self.n_sizes), int(packed[0].shape[1]) * 2
+        if any(int(p.shape[1]) * 2 != self.k for p in packed):
+            raise ValueError("Fp4Gemv: stacked weights must share K")
+        if self.k % STEP_K:
+            raise ValueError(f"Fp4Gemv: K = {self.k} is not a multiple of {STEP_K}")
+        spec = FORMATS[fmt]
+        if any(int(m[1].shape[1]) * spec.block_size != self.k for m in members):
+            raise ValueError(f"Fp4Gemv: weight_scale must have K / {spec.block_size} columns")
+        if len(members) > 3 or any(n % 16 for n in self.n_sizes[:-1]):
+            raise ValueError("Fp4Gemv: at most 3 weights, each but the last a multiple of 16 "
+                             f"rows; got {self.n_sizes}")
+        self.device = packed[0].device
+        # the stored tensors themselves (read in place, never written); bytes as the kernel reads
+        self.weights = [p.view(torch.uint8) for p in packed]
+        self.scales = [m[1].view(torch.uint8) for m in members]
+        if any(not t.is_contiguous() for t in self.weights + self.scales):
+            raise ValueError("Fp4Gemv: weight_packed and weight_scale must be contiguous")
+        self.mx_bias = max(mx_bias(s) for s in self.scales) if fmt == "mxfp4" else 0
+        self.col_scale = _col_scale(fmt, members, self.n_sizes, self.mx_bias, self.device)
+        self.variant = tuple(variant) if variant else default_variant(self.n, self.k)
+
+    def nbytes(self) -> int:
+        """Bytes this GEMM adds to the weights it reads in place (its column factors)."""
+        return self.col_scale.numel() * self.col_scale.element_size()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 pdl: bool = False, sms: int | None = None) -> torch.Tensor:
+        """``x [M, K]`` (contiguous bf16) -> ``[M, N]`` bf16 (into ``out`` when given: rows of
+        stride ``out.stride(0)``, contiguous columns); ``pdl``: launched so that it may start
+        while the kernel before it runs (it loads its first weights, then waits); ``sms``: at
+        most as many CTAs as fit on that many multiprocessors at once (each loops over tiles of
+        16 features), so that a kernel launched after it finds room beside it; by default one
+        CTA a tile."""
+        m = int(x.shape[0])
+        if x.dtype != torch.bfloat16 or x.shape[1] != self.k or not 0 < m <= MAX_M:
+            raise ValueError(f"Fp4Gemv: x must be bf16 [1..{MAX_M}, {self.k}], got "
+                             f"{x.dtype} {list(x.shape)}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if out is None:
+            out = torch.empty(m, self.n, device=x.device, dtype=torch.bfloat16)
+        warps, unr, pipe = _fitting(self.variant, m)
+        fn, per_sm = _function(self.fmt == "mxfp4", warps, unr, pipe, _mrows(m),
+                               x.device.index or 0, warps * 32)
+        ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
+                for p in (w.data_ptr(), s.data_ptr())]
+        ptrs += ptrs[-2:] * (3 - len(self.weights))
+        ends = [sum(self.n_sizes[:i + 1]) for i in range(2)]
+        ends = [min(e, self.n) for e in ends]
+        tiles = (self.n + 15) // 16
+        _launch(fn, tiles if sms is None else min(tiles, sms * per_sm), warps * 32, x.device, pdl,
+                (x.data_ptr(), *ptrs, *ends, self.col_scale.data_ptr(), out.data_ptr(), m,
+                 self.n, self.k, out.stride(0), self.mx_bias))
+        return out
+
+
+_ARG_TYPES = ((ctypes.c_void_p,) * 7 + (ctypes.c_int,) * 2 + (ctypes.c_void_p,) * 2
+              + (ctypes.c_int,) * 5)
+
+
+def _check(result, what: str):
+    """cuda-bindings calls return ``(status, *values)``: the values, or an error naming ``what``."""
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if int(status) != 0:
+        raise RuntimeError(f"fp4_gemv: {what} failed ({status!r})")
+    return values[0] if len(values) == 1 else (values or None)
+
+
+def _mrows(m: int) -> int:
+    """The activation rows a kernel variant is compiled for: 1, 2, 4 or 8 (at least ``m``)."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def _fitting(variant: tuple[int, int, int], m: int) -> tuple[int, int, int]:
+    """``variant`` with fewer steps in flight where its staged activations (``warps * steps *
+    rows * 256`` bytes) and partial sums (``warps * 512``) would exceed 48 KiB of shared memory."""
+    warps, unr, pipe = variant
+    while unr > 1 and warps * (unr * _mrows(m) * 256 + 512) > 48 * 1024:
+        unr //= 2
+    return warps, unr, pipe
+
+
+@functools.cache
+def _cubin(mx: bool, warps: int, unr: int, pipe: int, mrows: int, arch: str) -> bytes:
+    """The kernel compiled by NVRTC for ``arch`` (e.g. ``sm_90``)."""
+    from cuda.bindings import nvrtc
+
+    src = resources.files("qerl.kernels").joinpath("fp4_gemv.cu").read_bytes()
+    prog = _check(nvrtc.nvrtcCreateProgram(src, b"fp4_gemv.cu", 0, [], []), "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DMX={int(mx)}".encode(),
+            f"-DNWARPS={warps}".encode(), f"-DUNR={unr}".encode(), f"-DPIPE={pipe}".encode(),
+            f"-DMROWS={mrows}".encode()]
+    status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+    if int(status) != 0:
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"fp4_gemv: NVRTC could not compile the kernel:\n{log.decode()}")
+    size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+    cubin = b" " * size
+    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    return cubin
+
+
+_FUNCTIONS: dict = {}
+
+
+def _function(mx: bool, warps: int, unr: int, pipe: int, mrows: int, device: int, block: int):
+    """The loaded kernel for the current CUDA context (compiled once per process and variant)
+    and how many of its CTAs of ``block`` threads one multiprocessor holds at once."""
+    from cuda.bindings import driver
+
+    torch.cuda.set_device(device)  # makes torch's primary context current on this thread
+    ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    key = (int(ctx), mx, warps, unr, pipe, mrows)
+    with _LOCK:
+        hit = _FUNCTIONS.get(key)
+        if hit is None:
+            major, minor = torch.cuda.get_device_capability(device)
+            cubin = _cubin(mx, warps, unr, pipe, mrows, f"sm_{major}{minor}")
+            module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+            fn = _check(driver.cuModuleGetFunction(module, b"fp4_gemv"), "cuModuleGetFunction")
+            per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0),
+                            "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            hit = _FUNCTIONS[key] = (fn, max(1, int(per_sm)))
+            _MODULES.append(module)
+    return hit
+
+
+_MODULES: list = []  # loaded modules stay loaded for the process (their functions are cached)
+
+
+def _launch(fn, grid: int, block: int, device: torch.device, pdl: bool, args) -> None:
+    """Launch ``fn`` on the current stream of ``device`` (with programmatic dependent launch when
+    ``pdl``: it may start while the kernel before it runs; it waits for it before reading ``x``)."""
+    from cuda.bindings import driver
+
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = 0
+    config.hStream = torch.cuda.current_stream(device).cuda_stream
+    if pdl:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attr]
+        config.numAttrs = 1
+    _check(driver.cuLaunchKernelEx(config, fn, (args, _ARG_TYPES), 0), "cuLaunchKernelEx")

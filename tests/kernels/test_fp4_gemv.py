@@ -1,0 +1,221 @@
+"""Our FP4 GEMV (``qerl.kernels.fp4_gemv``): its arithmetic modelled in torch on the CPU (the bit
+decode of the ``.cu`` file, the float16 scale products, the MXFP4 exponent bias) against the
+float32 reference; what it prepares and the errors it raises (CPU); the CUDA kernel itself against
+the reference on odd shapes, every 7B layer shape, stacked weights and both formats (GPU, sm_90+).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl.kernels import fp4_gemv
+from qerl.kernels.fp4_gemv import MAX_M, Fp4Gemv, mx_bias, supports
+from qerl.quant.formats import FORMATS, e2m1_decode, unpack_fp4
+
+FMTS = ["mxfp4", "nvfp4"]
+
+
+def _quant(n: int, k: int, fmt: str, device="cpu", scale: float = 0.02) -> dict:
+    return FORMATS[fmt].quantize(torch.randn(n, k, device=device) * scale)
+
+
+def _members(t: dict):
+    return [(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"))]
+
+
+def _ref(x: torch.Tensor, ts: list[dict], fmt: str) -> torch.Tensor:
+    w = torch.cat([FORMATS[fmt].dequantize(t, torch.float32) for t in ts])
+    return x.float() @ w.t()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _decode8(words: torch.Tensor) -> torch.Tensor:
+    """The ``.cu`` file's ``decode8`` on int64 words: ``[..., 4]`` f16x2 bit patterns, pair q
+    holding nibble q (low half) and nibble q + 4 (high half)."""
+    out = []
+    w = words.clone()
+    for _ in range(4):
+        out.append((w & 0x80008000) | ((w >> 3) & 0x0E000E00))
+        w = (w << 4) & 0xFFFFFFFF
+    return torch.stack(out[::-1], -1)
+
+
+def _halves(bits: torch.Tensor) -> torch.Tensor:
+    """f16x2 bit patterns (int64) ``[...]`` -> float32 ``[..., 2]`` (low half first)."""
+    pair = torch.stack([bits & 0xFFFF, (bits >> 16) & 0xFFFF], -1)
+    pair = torch.where(pair >= 1 << 15, pair - (1 << 16), pair)  # as signed 16-bit
+    return pair.to(torch.int16).view(torch.float16).float()
+
+
+def test_decode_bits_give_e2m1_times_2_pow_minus_14() -> None:
+    codes = torch.arange(16, dtype=torch.int64)
+    # every code in every nibble position of a word
+    words = torch.zeros(16, dtype=torch.int64)
+    for q in range(8):
+        words |= torch.roll(codes, q) << (4 * q)
+    pairs = _decode8(words)  # [16, 4]
+    vals = torch.stack([_halves(pairs[:, q]) for q in range(4)], 1)  # [16, 4 (q), 2 (lo, hi)]
+    for q in range(4):
+        for h in range(2):
+            nib = (words >> (4 * (q + 4 * h))) & 15
+            want = e2m1_decode(nib.to(torch.uint8)).float() * 2.0 ** -14
+            assert torch.equal(vals[:, q, h], want), (q, h)
+
+
+def _model(x: torch.Tensor, ts: list[dict], fmt: str) -> torch.Tensor:
+    """The kernel's arithmetic in torch: decoded codes (e2m1 * 2^-14, float16) times the group
+    scale as float16, rounded to float16; activations in float16; float32 sums; the column factor."""
+    g = Fp4Gemv(fmt, [m for t in ts for m in _members(t)])
+    spec = FORMATS[fmt]
+    e2m1 = e2m1_decode(unpack_fp4(torch.cat(g.weights))).float()  # [N, K]
+    dec = (e2m1 * 2.0 ** -14).half()
+    raw = torch.cat(g.scales).repeat_interleave(spec.block_size, 1)
+    if fmt == "nvfp4":
+        s16 = (raw.view(torch.float8_e4m3fn).float() * 2.0 ** 7).half()
+    else:
+        e = (raw.int() - g.mx_bias).clamp(0, 30)
+        s16 = torch.where(e > 0, 2.0 ** (e.float() - 15), torch.zeros_like(e, dtype=torch.float32)).half()
+    a = (dec.float() * s16.float()).half().float()
+    return (x.half().float() @ a.t()) * g.col_scale
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_arithmetic_matches_the_reference(fmt: str) -> None:
+    torch.manual_seed(0)
+    ts = [_quant(48, 256, fmt), _quant(32, 256, fmt, scale=0.3)]  # two global scales
+    x = torch.randn(3, 256).bfloat16()
+    assert _rel(_model(x, ts, fmt), _ref(x, ts, fmt)) < 2e-3
+
+
+def test_reads_the_stored_tensors_in_place_with_column_factors() -> None:
+    ts = [_quant(48, 256, "nvfp4"), _quant(16, 256, "nvfp4", scale=0.5)]
+    g = Fp4Gemv("nvfp4", [m for t in ts for m in _members(t)])
+    assert (g.n, g.k, g.n_sizes) == (64, 256, [48, 16])
+    for t, w, sc in zip(ts, g.weights, g.scales, strict=True):  # no copy: the same storage
+        assert w.data_ptr() == t["weight_packed"].data_ptr()
+        assert sc.data_ptr() == t["weight_scale"].data_ptr()
+    for rows, t in ((slice(0, 48), ts[0]), (slice(48, 64), ts[1])):
+        want = 128.0 / t["weight_global_scale"].float()
+        assert torch.allclose(g.col_scale[rows], want.expand(rows.stop - rows.start))
+    assert g.nbytes() == 64 * 4  # only the column factors
+
+
+def test_mxfp4_bias_maps_the_largest_scale_to_the_top_binade() -> None:
+    t, t2 = _quant(32, 256, "mxfp4"), _quant(32, 256, "mxfp4", scale=0.001)
+    g = Fp4Gemv("mxfp4", _members(t) + _members(t2))  # one bias: the larger scales'
+    top = int(t["weight_scale"].view(torch.uint8).max())
+    assert g.mx_bias == mx_bias(t["weight_scale"]) == top - 30 > mx_bias(t2["weight_scale"])
+    g = Fp4Gemv("mxfp4", _members(t))
+    assert torch.allclose(g.col_scale, torch.full((32,), 2.0 ** (top - 128)))
+
+
+def test_bad_inputs_raise_before_any_work() -> None:
+    t = _quant(32, 256, "nvfp4")
+    with pytest.raises(ValueError, match="fmt"):
+        Fp4Gemv("int4", _members(t))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        Fp4Gemv("nvfp4", _members(_quant(32, 160, "nvfp4")))
+    with pytest.raises(ValueError, match="share K"):
+        Fp4Gemv("nvfp4", _members(t) + _members(_quant(32, 384, "nvfp4")))
+    with pytest.raises(ValueError, match="at most 3 weights"):
+        Fp4Gemv("nvfp4", _members(t) * 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Fp4Gemv("nvfp4", _members(_quant(24, 256, "nvfp4")) + _members(t))
+    strided = dict(t, weight_packed=torch.zeros(32, 256, dtype=torch.uint8)[:, ::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        Fp4Gemv("nvfp4", _members(strided))
+    g = Fp4Gemv("nvfp4", _members(t))
+    with pytest.raises(ValueError, match="x must be bf16"):
+        g(torch.zeros(MAX_M + 1, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be bf16"):
+        g(torch.zeros(1, 256, dtype=torch.float16))
+
+
+def test_variant_and_preference_by_shape() -> None:
+    assert fp4_gemv.default_variant(37888, 3584) == (4, 1, 0)  # many CTAs
+    assert fp4_gemv.default_variant(4608, 3584) == (8, 2, 0)
+    assert fp4_gemv.default_variant(3584, 18944) == (8, 1, 0)  # long K
+    assert fp4_gemv.preferred(4608, 3584) and not fp4_gemv.preferred(3584, 18944)
+    # a variant whose staged activations would not fit 48 KiB takes fewer steps a batch
+    assert fp4_gemv._fitting((16, 4, 1), 8) == (16, 1, 1)
+    assert fp4_gemv._fitting((8, 2, 0), 1) == (8, 2, 0)
+    assert [fp4_gemv._mrows(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+
+
+def test_supports() -> None:
+    assert supports("nvfp4", 3584, 1, torch.bfloat16)
+    assert supports("mxfp4", 128, MAX_M, torch.bfloat16)
+    assert not supports("nvfp4", 3584, MAX_M + 1, torch.bfloat16)
+    assert not supports("nvfp4", 3584, 0, torch.bfloat16)
+    assert not supports("nvfp4", 160, 1, torch.bfloat16)
+    assert not supports("nvfp4", 3584, 1, torch.float16)
+    assert not supports("nvfp4", 3584, 1, torch.bfloat16, torch.device("cpu"))
+
+
+# -- the CUDA kernel -----------------------------------------------------------------------------
+
+def _gpu_ok() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:
+        import cuda.bindings.nvrtc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+gpu = pytest.mark.skipif(not _gpu_ok(), reason="needs a CUDA GPU of sm_90+ and cuda-bindings")
+TOL = 8e-3  # bf16 rounding of the output (and of the input) against a float32 reference
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n,k,m", [(200, 128, 1), (200, 384, 3), (1000, 640, 8), (17, 256, 2),
+                                   (4608, 3584, 1), (3584, 18944, 1)])
+@pytest.mark.parametrize("variant", [None, (4, 1, 0), (8, 4, 1), (16, 2, 0)])
+def test_kernel_against_float32(fmt: str, n: int, k: int, m: int, variant) -> None:
+    t = _quant(n, k, fmt, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = Fp4Gemv(fmt, _members(t), variant=variant)(x)
+    assert y.shape == (m, n) and torch.isfinite(y).all()
+    assert _rel(y, _ref(x, [t], fmt)) < TOL
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("pdl,sms", [(False, None), (True, None), (True, 3)])
+def test_stacked_weights_into_a_strided_output(fmt: str, pdl: bool, sms) -> None:
+    """Three weights side by side (different global scales; the last not a whole tile), written
+    into a view of a wider buffer; ``sms=3``: a grid of a few CTAs, each looping over tiles."""
+    ts = [_quant(512, 3584, fmt, device="cuda"), _quant(128, 3584, fmt, device="cuda", scale=0.2),
+          _quant(72, 3584, fmt, device="cuda", scale=0.005)]
+    x = torch.randn(2, 3584, device="cuda", dtype=torch.bfloat16)
+    big = torch.full((2, 800), 7.0, device="cuda", dtype=torch.bfloat16)
+    y = Fp4Gemv(fmt, [m for t in ts for m in _members(t)])(x, out=big[:, 10:722], pdl=pdl,
+                                                           sms=sms)
+    assert _rel(y, _ref(x, ts, fmt)) < TOL
+    for i, (lo, hi) in enumerate(((0, 512), (512, 640), (640, 712))):  # each member on its own
+        assert _rel(y[:, lo:hi], _ref(x, ts[i:i + 1], fmt)) < TOL, i
+    assert (big[:, :10] == 7).all() and (big[:, 722:] == 7).all()  # nothing outside the view
+
+
+@gpu
+def test_cuda_graph_replay_reads_new_inputs() -> None:
+    t = _quant(640, 1024, "nvfp4", device="cuda")
+    g = Fp4Gemv("nvfp4", _members(t))
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, 640, device="cuda", dtype=torch.bfloat16)
+    g(x, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g(x, out=out, pdl=True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(out, _ref(x, [t], "nvfp4")) < TOL
+
