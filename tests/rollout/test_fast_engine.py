@@ -332,6 +332,9 @@ def test_bad_engine_options() -> None:
             FastEngine(lora_sms=bad)
     with pytest.raises(ValueError, match="lora_end_wait must be one or all"):
         FastEngine(lora_end_wait="none")
+    for bad in (-1, 9, True, 1.0):
+        with pytest.raises(ValueError, match="gemv_max_m must be an int in 0..8"):
+            FastEngine(gemv_max_m=bad)
     # asked for where it cannot work: refused before the prefill, naming the option and the fix
     eng = FastEngine(backend="torch", pdl=True)
     with pytest.raises(ValueError, match=r"pdl=True needs a CUDA GPU .* use pdl=None"):
@@ -671,3 +674,39 @@ def test_gpu_single_copy_keeps_one_copy_and_the_same_rollout() -> None:
         assert bufs and all(b.is_cuda for b in bufs)
     finally:
         use_backend(previous)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt,n_rows", [("nvfp4", 1), ("nvfp4", 8), ("mxfp4", 1)])
+def test_gpu_gemv_rollout_matches_teacher_forcing(fmt: str, n_rows: int) -> None:
+    """``gemv_max_m``: decode through our FP4 GEMV (the 4-bit groups of 7B widths it is preferred
+    for, the LoRA beside it) agrees with a full forward pass; a wave wider than ``gemv_max_m``
+    stays on humming."""
+    from qerl.kernels import backend_available, fp4_gemv
+
+    if not backend_available("humming") or not fp4_gemv.supports(
+            fmt, 3584, 1, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("needs humming-kernels and a GPU of sm_90+")
+    model = _model("qwen2", fmt=fmt, lora=True, device="cuda", dtype=torch.bfloat16,
+                   hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                   num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
+    prompts = PROMPTS if n_rows == 8 else PROMPTS[:1]
+    sp = SamplingParams(n=n_rows // len(prompts), temperature=1.0, top_p=0.95,
+                        max_new_tokens=24, eos_token_ids=(), pad_token_id=0)
+    wanted = sum(fp4_gemv.preferred(n, k) for n, k in ((4608, 3584), (3584, 3584), (37888, 3584),
+                                                      (3584, 18944)))
+    assert wanted == 3  # q/k/v, o, gate/up; the down projection stays on humming
+    errs = {}
+    for gemv_max_m in (0, 8 if n_rows == 8 else 1):  # humming alone, then the GEMV
+        eng = FastEngine(gemv_max_m=gemv_max_m)
+        out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
+        assert eng.last_stats["cuda_graph"]
+        assert eng.last_stats["gemv_groups"] == (wanted * 2 if gemv_max_m else 0)
+        errs[gemv_max_m] = (out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()
+    gemv, ref = errs[max(errs)], errs[0]
+    assert gemv.mean() < 2 * ref.mean() + 0.01 and gemv.max() < 2 * ref.max() + 0.1, (
+        gemv.mean(), ref.mean(), gemv.max(), ref.max())
+    if n_rows == 8:  # a wave wider than gemv_max_m stays on humming
+        narrow = FastEngine(gemv_max_m=4)
+        narrow.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
+        assert narrow.last_stats["gemv_groups"] == 0

@@ -91,6 +91,9 @@ class FastEngine:
             programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
             run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
             at 7B B=1).
+        gemv_max_m: decode waves of at most this many rows (0: none; up to 8) run the 4-bit base
+            GEMMs through our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`: reads the stored weights in
+            place; not with ``single_copy``), the LoRA beside it, instead of humming's GEMM.
     """
 
     name = "fast"
@@ -102,34 +105,28 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8, lora_end_wait: str = "one") -> None:
+                 lora_sms: int = 8, lora_end_wait: str = "one", gemv_max_m: int = 0) -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
         int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
-        if attention_splits is not None:
-            int_in("attention_splits", attention_splits, 64)
+        int_in("attention_splits", 64 if attention_splits is None else attention_splits, 64)
         bool_or_none("pdl", pdl)
         int_in("lora_sms", lora_sms, 64, lo=0)
+        int_in("gemv_max_m", gemv_max_m, 8, lo=0)
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
         if not 0 < kv_budget_fraction <= 1:
             raise ValueError(f"kv_budget_fraction must be in (0, 1], got {kv_budget_fraction}")
-        self.backend = backend
-        self.use_cuda_graph = use_cuda_graph
-        self.check_every = max(1, int(check_every))
-        self.cache_multiple = max(1, int(cache_multiple))
-        self.kv_budget_gib = kv_budget_gib
-        self.kv_budget_fraction = kv_budget_fraction
-        self.lora_overlap = lora_overlap
-        self.keep_state = keep_state
-        self.single_copy = single_copy
-        self.attention_splits = attention_splits
-        self.lora_kernel = lora_kernel
-        self.fused_lora_max_rows = fused_lora_max_rows
-        self.humming_layout = humming_layout
-        self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
+        self.backend, self.use_cuda_graph = backend, use_cuda_graph
+        self.check_every, self.cache_multiple = max(1, int(check_every)), max(1, int(cache_multiple))
+        self.kv_budget_gib, self.kv_budget_fraction = kv_budget_gib, kv_budget_fraction
+        self.lora_overlap, self.keep_state, self.single_copy = lora_overlap, keep_state, single_copy
+        self.attention_splits, self.lora_kernel = attention_splits, lora_kernel
+        self.fused_lora_max_rows, self.humming_layout = fused_lora_max_rows, humming_layout
+        self.pdl, self.lora_sms, self.lora_end_wait, self.gemv_max_m = (pdl, lora_sms,
+                                                                         lora_end_wait, gemv_max_m)
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -168,7 +165,8 @@ class FastEngine:
             gemms = {}
             for g in plan.groups():  # one group at a time, so single_copy never holds both copies
                 gm = gemms[id(g)] = GroupGemm(g, fp4, plan.dtype, humming_only=self.single_copy,
-                                              layout=self.humming_layout)
+                                              layout=self.humming_layout,
+                                              gemv_max_m=self.gemv_max_m)
                 if self.single_copy and gm.humming is not None:
                     park_group(self._parking, g)
             self._gemms = gemms
@@ -258,7 +256,9 @@ class FastEngine:
                            "lora_kernel": "fused" if st.lora_fused is not None
                            else ("cublas" if st.lora_out else "none"),
                            "lora_stream": "side" if st.side is not None else "main",
-                           "pdl": st.pdl, "gemm_sms": st.gemm_sms}
+                           "pdl": st.pdl, "gemm_sms": st.gemm_sms,
+                           "gemv_groups": sum(gm.uses_gemv(W) for gm in gemms.values())
+                           if gemms else 0}
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
             completion_ids=cat[0], completion_mask=cat[1], logprobs=cat[2], truncated=~done,

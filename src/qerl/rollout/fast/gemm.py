@@ -1,6 +1,10 @@
 """The base projections of one plan group on CUDA: raw outputs (no bias, no LoRA; with per-column
 scales still to apply when :attr:`GroupGemm.col_scale` is set).
 
+* all members FP4 of one format, ``gemv_max_m`` set and at most that many rows (decode at a
+  small batch; backend ``humming``, bf16, Hopper or later; a shape where it beats humming,
+  :func:`qerl.kernels.fp4_gemv.preferred`): our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`), which
+  reads the members' stored tensors in place, the output finished (no column scales);
 * all members FP4 of one format, backend ``humming``, at most ``humming_max_m()`` rows (any
   number with ``humming_only``): one humming GEMM for the whole group (q/k/v or gate/up stacked
   along N), prepared once per plan, in humming's ``layout`` of the weights (NVFP4 in bf16 only:
@@ -29,12 +33,23 @@ class GroupGemm:
     """Runs ``x @ W_i^T`` for every member ``i`` of ``group`` (see the module docstring)."""
 
     def __init__(self, group: Group, backend: str, dtype: torch.dtype,
-                 humming_only: bool = False, layout: str = "ct") -> None:
+                 humming_only: bool = False, layout: str = "ct", gemv_max_m: int = 0) -> None:
         self.group = group
         self.backend = backend
         self.dtype = dtype
         self.humming_only = humming_only  # every row count through humming (the source may be parked)
         self.humming = None
+        self.gemv, self.gemv_max_m = None, gemv_max_m
+        if gemv_max_m and backend == "humming" and group.all_fp4 and not humming_only:
+            from qerl.kernels import fp4_gemv
+
+            m0 = group.members[0]
+            if (fp4_gemv.supports(m0.fmt, m0.in_f, gemv_max_m, dtype, m0.fp4_tensors()[0].device)
+                    and fp4_gemv.preferred(group.out_f, group.in_f)):
+                try:
+                    self.gemv = fp4_gemv.Fp4Gemv(m0.fmt, [m.fp4_tensors() for m in group.members])
+                except ValueError as e:  # a layout it does not read: humming runs the group
+                    warnings.warn(f"fp4_gemv skips {m0.name}: {e}", stacklevel=2)
         if backend == "humming" and group.all_fp4 and dtype in (torch.bfloat16, torch.float16):
             from qerl.kernels import humming_gemm
 
@@ -54,15 +69,20 @@ class GroupGemm:
         """Per-column factors the consumer must apply to humming's output (else ``None``)."""
         return None if self.humming is None else self.humming.col_scale
 
+    def uses_gemv(self, rows: int) -> bool:
+        return self.gemv is not None and 0 < rows <= self.gemv_max_m
+
     def uses_humming(self, rows: int) -> bool:
-        return self.humming is not None and 0 < rows and (self.humming_only
-                                                          or rows <= humming_max_m())
+        return (self.humming is not None and 0 < rows and not self.uses_gemv(rows)
+                and (self.humming_only or rows <= humming_max_m()))
 
     def beside_sms(self, rows: int, sms: int | None) -> int | None:
         """The multiprocessors this group's GEMM runs on beside its fused LoRA in decode at
-        ``rows``: ``sms`` when the group has adapters and the GEMM is humming's (the one kind
-        that lets the LoRA start beside it), else ``None`` (the whole GPU, the LoRA first)."""
-        return sms if sms is not None and self.group.r_total and self.uses_humming(rows) else None
+        ``rows``: ``sms`` when the group has adapters and the GEMM is humming's or our GEMV (the
+        kinds that let the LoRA start beside them; the GEMV keeps every multiprocessor and lets
+        the LoRA's programs in where they fit), else ``None`` (the whole GPU, the LoRA first)."""
+        ok = self.uses_humming(rows) or self.uses_gemv(rows)
+        return sms if sms is not None and self.group.r_total and ok else None
 
     def _impl(self) -> str:
         return "triton" if dequant.HAS_TRITON and self.backend != "torch" else "torch"
@@ -82,6 +102,9 @@ class GroupGemm:
         group runs as one GEMM); ``pdl`` / ``sms``: humming's GEMM with programmatic dependent
         launch / on at most ``sms`` multiprocessors (:meth:`HummingFp4.tuning_for`)."""
         g = self.group
+        if self.uses_gemv(x.shape[0]):
+            y = self.gemv(x, pdl=pdl, sms=sms)
+            return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
         if self.uses_humming(x.shape[0]):
             y = self.humming(x if x.is_contiguous() else x.contiguous(), pdl=pdl, sms=sms)
             return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
