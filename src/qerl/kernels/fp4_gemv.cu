@@ -143,76 +143,6 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 #else
   const int sgroups = K >> 4;
 #endif
-  const U4 *wa, *wb;  // this tile's two features (set per tile)
-  const u8 *sa, *sb;
-
-  auto load_w = [&](Step (&s)[UNR], int first) {
-#pragma unroll
-    for (int u = 0; u < UNR; ++u) {
-      const int st = first + u * NWARPS;
-      if (st < steps) {
-        s[u].a = wa[st * 4];
-        s[u].b = wb[st * 4];
-#if MX
-        scales_f16(sa + st * 4 + t, mx_bias, s[u].sa);
-        scales_f16(sb + st * 4 + t, mx_bias, s[u].sb);
-#else
-        scales_f16(sa + st * 8 + 2 * t, mx_bias, s[u].sa);
-        scales_f16(sb + st * 8 + 2 * t, mx_bias, s[u].sb);
-#endif
-      }
-    }
-  };
-  auto load_x = [&](Step (&s)[UNR], int first) {
-#pragma unroll
-    for (int u = 0; u < UNR; ++u) {
-      const int st = first + u * NWARPS;
-#pragma unroll
-      for (int i = 0; i < XR; ++i) {
-        const int row = 2 * i + (lane >> 4);
-        if (st < steps && row < M)
-          s[u].xr[i] = load_coherent(x + (u64)row * xstride + st * 16 + (lane & 15));
-      }
-    }
-  };
-  float c0[4], c1[4];
-  auto compute = [&](Step (&s)[UNR], int first) {
-    __syncwarp();
-#pragma unroll
-    for (int u = 0; u < UNR; ++u) {
-#pragma unroll
-      for (int i = 0; i < XR; ++i) {
-        const int row = 2 * i + (lane >> 4);
-        if (row < M) xs[warp][u][row][lane & 15] = pair_order(s[u].xr[i]);
-      }
-    }
-    __syncwarp();
-#pragma unroll
-    for (int u = 0; u < UNR; ++u) {
-      const int st = first + u * NWARPS;
-      if (st < steps) {
-        const u32 wa4[4] = {s[u].a.x, s[u].a.y, s[u].a.z, s[u].a.w};
-        const u32 wb4[4] = {s[u].b.x, s[u].b.y, s[u].b.z, s[u].b.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          u32 pa[4], pb[4];
-          decode8(wa4[j], pa);
-          decode8(wb4[j], pb);
-          const u32 ska = s[u].sa[j >> 1], skb = s[u].sb[j >> 1];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            pa[q] = hmul2(pa[q], ska);
-            pb[q] = hmul2(pb[q], skb);
-          }
-          U4 xb = {0u, 0u, 0u, 0u};
-          if (g < M) xb = xs[warp][u][g][4 * t + j];
-          mma16816(c0, pa[0], pb[0], pa[1], pb[1], xb.x, xb.y);
-          mma16816(c1, pa[2], pb[2], pa[3], pb[3], xb.z, xb.w);
-        }
-      }
-    }
-  };
-
   __shared__ float red[NWARPS][32][4];
   // Persistent over tiles of 16 features (a grid smaller than the tiles leaves room beside it).
   for (int tile = blockIdx.x, first_tile = 1; tile * 16 < N; tile += gridDim.x, first_tile = 0) {
@@ -224,12 +154,78 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
     const int start = mem == 0 ? 0 : (mem == 1 ? end0 : end1);
     const int last = (mem == 0 ? end0 : (mem == 1 ? end1 : N)) - 1;
     const int ra = min(row0 + g, last) - start, rb = min(row0 + g + 8, last) - start;
-    wa = w + (u64)ra * chunks + t;
-    wb = w + (u64)rb * chunks + t;
-    sa = scale + (u64)ra * sgroups;
-    sb = scale + (u64)rb * sgroups;
+    const U4* const wa = w + (u64)ra * chunks + t;  // this tile's two features
+    const U4* const wb = w + (u64)rb * chunks + t;
+    const u8* const sa = scale + (u64)ra * sgroups;
+    const u8* const sb = scale + (u64)rb * sgroups;
+
+    auto load_w = [&](Step (&s)[UNR], int first) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c0[i] = c1[i] = 0.f;
+      for (int u = 0; u < UNR; ++u) {
+        const int st = first + u * NWARPS;
+        if (st < steps) {
+          s[u].a = wa[st * 4];
+          s[u].b = wb[st * 4];
+#if MX
+          scales_f16(sa + st * 4 + t, mx_bias, s[u].sa);
+          scales_f16(sb + st * 4 + t, mx_bias, s[u].sb);
+#else
+          scales_f16(sa + st * 8 + 2 * t, mx_bias, s[u].sa);
+          scales_f16(sb + st * 8 + 2 * t, mx_bias, s[u].sb);
+#endif
+        }
+      }
+    };
+    auto load_x = [&](Step (&s)[UNR], int first) {
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+        const int st = first + u * NWARPS;
+#pragma unroll
+        for (int i = 0; i < XR; ++i) {
+          const int row = 2 * i + (lane >> 4);
+          if (st < steps && row < M)
+            s[u].xr[i] = load_coherent(x + (u64)row * xstride + st * 16 + (lane & 15));
+        }
+      }
+    };
+    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+    auto compute = [&](Step (&s)[UNR], int first) {
+      __syncwarp();
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+#pragma unroll
+        for (int i = 0; i < XR; ++i) {
+          const int row = 2 * i + (lane >> 4);
+          if (row < M) xs[warp][u][row][lane & 15] = pair_order(s[u].xr[i]);
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+        const int st = first + u * NWARPS;
+        if (st < steps) {
+          const u32 wa4[4] = {s[u].a.x, s[u].a.y, s[u].a.z, s[u].a.w};
+          const u32 wb4[4] = {s[u].b.x, s[u].b.y, s[u].b.z, s[u].b.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            u32 pa[4], pb[4];
+            decode8(wa4[j], pa);
+            decode8(wb4[j], pb);
+            const u32 ska = s[u].sa[j >> 1], skb = s[u].sb[j >> 1];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              pa[q] = hmul2(pa[q], ska);
+              pb[q] = hmul2(pb[q], skb);
+            }
+            U4 xb = {0u, 0u, 0u, 0u};
+            if (g < M) xb = xs[warp][u][g][4 * t + j];
+            mma16816(c0, pa[0], pb[0], pa[1], pb[1], xb.x, xb.y);
+            mma16816(c1, pa[2], pb[2], pa[3], pb[3], xb.z, xb.w);
+          }
+        }
+      }
+    };
+
     Step cur[UNR];
     load_w(cur, warp);  // the weights do not depend on the kernel before: load them before waiting
     if (first_tile) asm volatile("griddepcontrol.wait;" ::: "memory");
