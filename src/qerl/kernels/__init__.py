@@ -1,5 +1,6 @@
 """4-bit (NVFP4 / MXFP4) matmuls on the GPU: backend selection, the training autograd path, the
-Triton dequantize kernel and humming-kernels as the decode GEMM.
+Triton dequantize kernel, humming-kernels as the decode GEMM and our FP4 GEMV for decode at a few
+rows (:mod:`qerl.kernels.fp4_gemv`; it runs on CUDA, compiled by NVRTC).
 
 Backend API (see :mod:`qerl.kernels.backend`): ``resolve_backend(name="auto") -> str``,
 ``use_backend(name)`` (what the ``quant.backend`` setting calls), ``available_backends()``,

@@ -11,8 +11,9 @@ multiply-adds, in fp32 (the layout and the arithmetic are described in the ``.cu
 GEMM whose output columns are theirs side by side, reading the stored tensors in place (no copy:
 no memory beyond a per-column factor), and applies ``1 / weight_global_scale`` per output column
 itself, so its output is the finished ``x @ W^T`` (no ``col_scale`` for the consumer).
-The kernel compiles with NVRTC (``cuda-bindings``, part of the CUDA stack torch brings) on first
-use, once per process and variant. CPU installs never compile it; :func:`supports` says where it
+The kernel compiles with NVRTC on first use, once per process and variant (``cuda-bindings``
+comes with the ``.[gpu]`` extra, which humming-kernels needs too; CUDA builds of torch bring the
+NVRTC library). CPU installs never compile it; :func:`supports` says where it
 runs.
 """
 
