@@ -3,7 +3,7 @@
 // Reads the compressed-tensors tensors where they are (codes [N_i, K/2] bytes, low nibble first;
 // NVFP4: E4M3 group scales [N_i, K/16]; MXFP4: E8M0 group scales [N_i, K/32]) of up to three
 // weights that share the input, side by side along N (rows [0, end0), [end0, end1), [end1, N);
-// each a whole number of 16-row tiles), and computes, per output feature n and row m,
+// each but the last a whole number of 16-row tiles), and computes, per output feature n and row m,
 // colscale[n] * sum_k x[m, k] * code(n, k) * scale(n, k / group).
 //
 // A CTA loops over tiles of 16 output features (as many CTAs as the caller lets fit beside what
@@ -62,9 +62,11 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   return d;
 }
 
+// Saturating: an activation beyond f16's range (|x| > 65504, which bf16 can hold) becomes +-65504,
+// not an infinity that would turn the whole output row into NaN (inf times a zero code).
 __device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
   u32 d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
 }
 
@@ -196,7 +198,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 #pragma unroll
         for (int i = 0; i < XR; ++i) {
           const int row = 2 * i + (lane >> 4);
-          if (row < M) xs[warp][u][row][lane & 15] = pair_order(s[u].xr[i]);
+          if (row < M && first + u * NWARPS < steps)
+            xs[warp][u][row][lane & 15] = pair_order(s[u].xr[i]);
         }
       }
       __syncwarp();

@@ -67,9 +67,11 @@ def preferred(n: int, k: int) -> bool:
 
 
 def mx_bias(scale: torch.Tensor) -> int:
-    """MXFP4: the exponent offset that maps the largest E8M0 group scale of ``scale`` to the
-    largest binade of float16 (2^15); groups 2^30 below it flush to zero."""
-    return int(scale.view(torch.uint8).max().item()) - 30
+    """MXFP4: the exponent offset that maps the largest E8M0 group scale of ``scale`` (NaN codes,
+    255, left out: such a group comes out large, not NaN) to the largest binade of float16
+    (2^15); groups far below it lose precision in float16 (2^24 below) and flush to zero (2^30)."""
+    b = scale.view(torch.uint8)
+    return int(b.masked_fill(b == 255, 0).max().item()) - 30
 
 
 def _col_scale(fmt: str, members, n_sizes: Sequence[int], bias: int, device) -> torch.Tensor:
@@ -99,29 +101,22 @@ class Fp4Gemv:
                  variant: tuple[int, int, int] | None = None) -> None:
         if fmt not in ("nvfp4", "mxfp4"):
             raise ValueError(f"Fp4Gemv: fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
+        _check_members(fmt, members)
         packed = [m[0] for m in members]
         self.fmt = fmt
         self.n_sizes = [int(p.shape[0]) for p in packed]
         self.n, self.k = sum(self.n_sizes), int(packed[0].shape[1]) * 2
-        if any(int(p.shape[1]) * 2 != self.k for p in packed):
-            raise ValueError("Fp4Gemv: stacked weights must share K")
-        if self.k % STEP_K:
-            raise ValueError(f"Fp4Gemv: K = {self.k} is not a multiple of {STEP_K}")
-        spec = FORMATS[fmt]
-        if any(int(m[1].shape[1]) * spec.block_size != self.k for m in members):
-            raise ValueError(f"Fp4Gemv: weight_scale must have K / {spec.block_size} columns")
-        if len(members) > 3 or any(n % 16 for n in self.n_sizes[:-1]):
-            raise ValueError("Fp4Gemv: at most 3 weights, each but the last a multiple of 16 "
-                             f"rows; got {self.n_sizes}")
         self.device = packed[0].device
         # the stored tensors themselves (read in place, never written); bytes as the kernel reads
         self.weights = [p.view(torch.uint8) for p in packed]
         self.scales = [m[1].view(torch.uint8) for m in members]
-        if any(not t.is_contiguous() for t in self.weights + self.scales):
-            raise ValueError("Fp4Gemv: weight_packed and weight_scale must be contiguous")
         self.mx_bias = max(mx_bias(s) for s in self.scales) if fmt == "mxfp4" else 0
         self.col_scale = _col_scale(fmt, members, self.n_sizes, self.mx_bias, self.device)
         self.variant = tuple(variant) if variant else default_variant(self.n, self.k)
+        warps, unr, pipe = self.variant
+        if not (1 <= warps <= 16 and unr >= 1 and pipe in (0, 1)):
+            raise ValueError(f"Fp4Gemv: variant must be (1..16 warps, >= 1 steps, pipelined 0 "
+                             f"or 1), got {self.variant}")
 
     def nbytes(self) -> int:
         """Bytes this GEMM adds to the weights it reads in place (its column factors)."""
@@ -136,13 +131,22 @@ class Fp4Gemv:
         16 features), so that a kernel launched after it finds room beside it; by default one
         CTA a tile."""
         m = int(x.shape[0])
-        if x.dtype != torch.bfloat16 or x.shape[1] != self.k or not 0 < m <= MAX_M:
-            raise ValueError(f"Fp4Gemv: x must be bf16 [1..{MAX_M}, {self.k}], got "
-                             f"{x.dtype} {list(x.shape)}")
-        if not x.is_contiguous():
-            x = x.contiguous()
+        if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k
+                or not 0 < m <= MAX_M or x.device != self.device):
+            raise ValueError(f"Fp4Gemv: x must be bf16 [1..{MAX_M}, {self.k}] on {self.device}, "
+                             f"got {x.dtype} {list(x.shape)} on {x.device}")
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
         if out is None:
             out = torch.empty(m, self.n, device=x.device, dtype=torch.bfloat16)
+        elif (out.dtype != torch.bfloat16 or tuple(out.shape) != (m, self.n)
+              or out.device != self.device or (self.n > 1 and out.stride(1) != 1)):
+            raise ValueError(f"Fp4Gemv: out must be bf16 [{m}, {self.n}] on {self.device} with "
+                             f"contiguous columns, got {out.dtype} {list(out.shape)} stride "
+                             f"{out.stride()}")
+        if sms is not None and sms < 1:
+            raise ValueError(f"Fp4Gemv: sms must be a positive number of multiprocessors or "
+                             f"None, got {sms}")
         warps, unr, pipe = _fitting(self.variant, m)
         fn, per_sm = _function(self.fmt == "mxfp4", warps, unr, pipe, _mrows(m),
                                x.device.index or 0, warps * 32)
@@ -156,6 +160,40 @@ class Fp4Gemv:
                 (x.data_ptr(), *ptrs, *ends, self.col_scale.data_ptr(), out.data_ptr(), m,
                  self.n, self.k, out.stride(0), self.mx_bias))
         return out
+
+
+def _check_members(fmt: str, members) -> None:
+    """Every way the members could make the kernel read out of bounds, as a ValueError naming
+    the tensor and what it must be (before any copy or launch)."""
+    if not 1 <= len(members) <= 3:
+        raise ValueError(f"Fp4Gemv: 1 to 3 weights side by side, got {len(members)}")
+    spec = FORMATS[fmt]
+    k = int(members[0][0].shape[1]) * 2
+    if k % STEP_K:
+        raise ValueError(f"Fp4Gemv: K = {k} is not a multiple of {STEP_K}")
+    device = members[0][0].device
+    for i, (packed, scale, gscale) in enumerate(members):
+        if int(packed.shape[1]) * 2 != k:
+            raise ValueError("Fp4Gemv: stacked weights must share K")
+        if packed.element_size() != 1 or scale.element_size() != 1:
+            raise ValueError(f"Fp4Gemv: weight {i}: weight_packed and weight_scale must be "
+                             "1-byte tensors (codes, E4M3 / E8M0 scales)")
+        if tuple(scale.shape) != (packed.shape[0], k // spec.block_size):
+            raise ValueError(f"Fp4Gemv: weight {i}: weight_scale must be [{packed.shape[0]}, "
+                             f"{k // spec.block_size}] (K / {spec.block_size}), got "
+                             f"{list(scale.shape)}")
+        if spec.has_global_scale and gscale is None:
+            raise ValueError(f"Fp4Gemv: weight {i}: NVFP4 needs weight_global_scale")
+        if packed.device != device or scale.device != device:
+            raise ValueError(f"Fp4Gemv: weight {i} is not on {device}")
+        if not (packed.is_contiguous() and scale.is_contiguous()):
+            raise ValueError("Fp4Gemv: weight_packed and weight_scale must be contiguous")
+        if packed.data_ptr() % 16 or scale.data_ptr() % 2:
+            raise ValueError(f"Fp4Gemv: weight {i}: weight_packed must start 16-byte aligned "
+                             "and weight_scale 2-byte aligned (a fresh tensor is)")
+        if i < len(members) - 1 and packed.shape[0] % 16:
+            raise ValueError("Fp4Gemv: each weight but the last must have a multiple of 16 "
+                             f"rows; got {[int(m[0].shape[0]) for m in members]}")
 
 
 _ARG_TYPES = ((ctypes.c_void_p,) * 7 + (ctypes.c_int,) * 2 + (ctypes.c_void_p,) * 2
@@ -199,10 +237,12 @@ def _cubin(mx: bool, warps: int, unr: int, pipe: int, mrows: int, arch: str) -> 
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
+        nvrtc.nvrtcDestroyProgram(prog)
         raise RuntimeError(f"fp4_gemv: NVRTC could not compile the kernel:\n{log.decode()}")
     size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
     cubin = b" " * size
     _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    nvrtc.nvrtcDestroyProgram(prog)
     return cubin
 
 
@@ -214,8 +254,14 @@ def _function(mx: bool, warps: int, unr: int, pipe: int, mrows: int, device: int
     and how many of its CTAs of ``block`` threads one multiprocessor holds at once."""
     from cuda.bindings import driver
 
-    torch.cuda.set_device(device)  # makes torch's primary context current on this thread
-    ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    with torch.cuda.device(device):  # torch's primary context, current on this thread
+        torch.cuda.init()
+        ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        return _loaded(driver, ctx, mx, warps, unr, pipe, mrows, device, block)
+
+
+def _loaded(driver, ctx, mx: bool, warps: int, unr: int, pipe: int, mrows: int, device: int,
+            block: int):
     key = (int(ctx), mx, warps, unr, pipe, mrows)
     with _LOCK:
         hit = _FUNCTIONS.get(key)

@@ -46,10 +46,14 @@ class GroupGemm:
             m0 = group.members[0]
             if (fp4_gemv.supports(m0.fmt, m0.in_f, gemv_max_m, dtype, m0.fp4_tensors()[0].device)
                     and fp4_gemv.preferred(group.out_f, group.in_f)):
-                try:
+                try:  # built and run once here: a layout it cannot read, or no NVRTC, is
+                    # found before any graph capture, and humming runs the group instead
                     self.gemv = fp4_gemv.Fp4Gemv(m0.fmt, [m.fp4_tensors() for m in group.members])
-                except ValueError as e:  # a layout it does not read: humming runs the group
-                    warnings.warn(f"fp4_gemv skips {m0.name}: {e}", stacklevel=2)
+                    self.gemv(torch.zeros(1, group.in_f, device=self.gemv.device, dtype=dtype))
+                except Exception as e:  # noqa: BLE001 - degrade to humming, loudly
+                    self.gemv = None
+                    warnings.warn(f"fp4_gemv skips {m0.name} ({type(e).__name__}: {e}); "
+                                  "humming runs it", stacklevel=2)
         if backend == "humming" and group.all_fp4 and dtype in (torch.bfloat16, torch.float16):
             from qerl.kernels import humming_gemm
 
