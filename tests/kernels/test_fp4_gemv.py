@@ -226,8 +226,10 @@ def test_stacked_weights_into_a_strided_output(fmt: str, pdl: bool, sms) -> None
 
 @gpu
 def test_cuda_graph_replay_with_pdl_after_the_writer_of_x() -> None:
-    """Captured behind the kernel that writes its input (as in the engine's decode graph), with
-    programmatic dependent launch: every replay reads the new input, not a stale copy."""
+    """Captured behind the kernels that write its input, launched with programmatic dependent
+    launch: every replay reads the new input. (A torch writer lets it start only at its end; the
+    engine's Triton writers let it start earlier, which
+    ``test_gpu_gemv_rollout_matches_teacher_forcing`` covers.)"""
     t = _quant(640, 1024, "nvfp4", device="cuda")
     g = Fp4Gemv("nvfp4", _members(t))
     src = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
