@@ -292,7 +292,8 @@ def run_fast(model, B: int, N: int, vocab: int, **engine_kw) -> dict:
 
 CHECK = False
 PROFILE = False
-FAMILIES = [("humming", "humming"), ("lora_kernel", "fused LoRA"), ("qkv_rope", "rope+qkv epi"),
+FAMILIES = [("humming", "humming"), ("fp4_gemv", "fp4 GEMV"), ("lora_kernel", "fused LoRA"),
+            ("qkv_rope", "rope+qkv epi"),
             ("add_rmsnorm", "add+rmsnorm"), ("attn_decode", "attention"),
             ("silu_mul", "silu-mul"), ("fp4_dequant", "fp4 dequant"),
             ("gemm", "cuBLAS"), ("gemv", "cuBLAS"), ("xmma", "cuBLAS"), ("cutlass", "cuBLAS"),
