@@ -91,9 +91,9 @@ class FastEngine:
             programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
             run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
             at 7B B=1).
-        gemv_max_m: decode waves of at most this many rows (0: none; up to 8) run the 4-bit base
-            GEMMs through our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`: reads the stored weights in
-            place; not with ``single_copy``), the LoRA beside it, instead of humming's GEMM.
+        gemv_max_m: decode waves of at most this many rows (0: off; up to 8; measured at 1) run
+            4-bit GEMMs through our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`, reading the weights in
+            place; not with ``single_copy``), the LoRA beside it, instead of humming's.
     """
 
     name = "fast"
