@@ -2,7 +2,7 @@
 
 At one row humming's smallest tile is 8 rows, and its decode GEMMs are bound by the loads one
 multiprocessor keeps in flight (docs/benchmarks.md, runs 55-58), not by the DRAM. This kernel is
-written for that case: every CTA owns 16 output features and splits K over its warps, each lane
+written for that case: a CTA takes tiles of 16 output features and splits K over its warps, each lane
 streams 16-byte chunks of the stored compressed-tensors codes straight into registers, decodes them
 with a few integer operations per pair of codes and lets the tensor cores (``mma.m16n8k16``) do the
 multiply-adds, in fp32 (the layout and the arithmetic are described in the ``.cu`` file).
@@ -13,8 +13,7 @@ no memory beyond a per-column factor), and applies ``1 / weight_global_scale`` p
 itself, so its output is the finished ``x @ W^T`` (no ``col_scale`` for the consumer).
 The kernel compiles with NVRTC on first use, once per process and variant (``cuda-bindings``
 comes with the ``.[gpu]`` extra, which humming-kernels needs too; CUDA builds of torch bring the
-NVRTC library). CPU installs never compile it; :func:`supports` says where it
-runs.
+NVRTC library). CPU installs never compile it; :func:`supports` says where it runs.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def default_variant(n: int, k: int) -> tuple[int, int, int]:
 def preferred(n: int, k: int) -> bool:
     """Whether the GEMV is the faster kernel for an ``n x k`` weight at one row: not for a long K
     (the 7B down projection, K = 18,944: 23.4 against humming's 21.4 us in run 68 of
-    docs/benchmarks.md, where q/k/v, o and gate/up were 15-36 % faster)."""
+    docs/benchmarks.md, where q/k/v, o and gate/up were 11-36 % faster)."""
     return k // STEP_K < 64
 
 
