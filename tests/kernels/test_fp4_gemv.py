@@ -80,7 +80,7 @@ def _model(x: torch.Tensor, ts: list[dict], fmt: str) -> torch.Tensor:
         e = (raw.int() - g.mx_bias).clamp(0, 30)
         s16 = torch.where(e > 0, 2.0 ** (e.float() - 15), torch.zeros_like(e, dtype=torch.float32)).half()
     a = (dec.float() * s16.float()).half().float()
-    return (x.half().float() @ a.t()) * g.col_scale
+    return (x.half().float() @ a.t()) * g.column_factor
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -100,7 +100,7 @@ def test_reads_the_stored_tensors_in_place_with_column_factors() -> None:
         assert sc.data_ptr() == t["weight_scale"].data_ptr()
     for rows, t in ((slice(0, 48), ts[0]), (slice(48, 64), ts[1])):
         want = 128.0 / t["weight_global_scale"].float()
-        assert torch.allclose(g.col_scale[rows], want.expand(rows.stop - rows.start))
+        assert torch.allclose(g.column_factor[rows], want.expand(rows.stop - rows.start))
     assert g.nbytes() == 64 * 4  # only the column factors
 
 
@@ -113,7 +113,7 @@ def test_mxfp4_bias_maps_the_largest_scale_to_the_top_binade() -> None:
     nan[0, 0] = 255  # an E8M0 NaN code does not set the offset
     assert mx_bias(nan) == top - 30
     g = Fp4Gemv("mxfp4", _members(t))
-    assert torch.allclose(g.col_scale, torch.full((32,), 2.0 ** (top - 128)))
+    assert torch.allclose(g.column_factor, torch.full((32,), 2.0 ** (top - 128)))
 
 
 def test_bad_inputs_raise_before_any_work() -> None:

@@ -73,7 +73,7 @@ def mx_bias(scale: torch.Tensor) -> int:
     return int(b.masked_fill(b == 255, 0).max().item()) - 30
 
 
-def _col_scale(fmt: str, members, n_sizes: Sequence[int], bias: int, device) -> torch.Tensor:
+def _column_factor(fmt: str, members, n_sizes: Sequence[int], bias: int, device) -> torch.Tensor:
     """Per output column: the factor the kernel's fp32 sum is multiplied by (see the ``.cu``)."""
     if fmt == "nvfp4":
         gs = [m[2].reshape(1).float().to(device) for m in members]
@@ -110,8 +110,15 @@ class Fp4Gemv:
         self.weights = [p.view(torch.uint8) for p in packed]
         self.scales = [m[1].view(torch.uint8) for m in members]
         self.mx_bias = max(mx_bias(s) for s in self.scales) if fmt == "mxfp4" else 0
-        self.col_scale = _col_scale(fmt, members, self.n_sizes, self.mx_bias, self.device)
+        # the kernel's own per-column factor (not a ``col_scale`` for the consumer to apply)
+        self.column_factor = _column_factor(fmt, members, self.n_sizes, self.mx_bias, self.device)
         self.variant = tuple(variant) if variant else default_variant(self.n, self.k)
+        ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
+                for p in (w.data_ptr(), s.data_ptr())]
+        ends = [sum(self.n_sizes[:1]), sum(self.n_sizes[:2])]  # members 2 and 3 start there
+        self._functions: dict[tuple[int, int, int, int], tuple] = {}
+        self._weight_args = (*ptrs, *ptrs[-2:] * (3 - len(self.weights)), *ends,
+                             self.column_factor.data_ptr())
         warps, unr, pipe = self.variant
         if not (1 <= warps <= 16 and unr >= 1 and pipe in (0, 1)):
             raise ValueError(f"Fp4Gemv: variant must be (1..16 warps, >= 1 steps, pipelined 0 "
@@ -119,7 +126,7 @@ class Fp4Gemv:
 
     def nbytes(self) -> int:
         """Bytes this GEMM adds to the weights it reads in place (its column factors)."""
-        return self.col_scale.numel() * self.col_scale.element_size()
+        return self.column_factor.numel() * self.column_factor.element_size()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  pdl: bool = False, sms: int | None = None) -> torch.Tensor:
@@ -134,8 +141,8 @@ class Fp4Gemv:
                 or not 0 < m <= MAX_M or x.device != self.device):
             raise ValueError(f"Fp4Gemv: x must be bf16 [1..{MAX_M}, {self.k}] on {self.device}, "
                              f"got {x.dtype} {list(x.shape)} on {x.device}")
-        if not x.is_contiguous() or x.data_ptr() % 16:
-            x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
+        if not x.is_contiguous() or x.data_ptr() % 16:  # a fresh copy is both
+            x = x.clone(memory_format=torch.contiguous_format)
         if out is None:
             out = torch.empty(m, self.n, device=x.device, dtype=torch.bfloat16)
         elif (out.dtype != torch.bfloat16 or tuple(out.shape) != (m, self.n)
@@ -147,17 +154,15 @@ class Fp4Gemv:
             raise ValueError(f"Fp4Gemv: sms must be a positive number of multiprocessors or "
                              f"None, got {sms}")
         warps, unr, pipe = _fitting(self.variant, m)
-        fn, per_sm = _function(self.fmt == "mxfp4", warps, unr, pipe, _mrows(m),
-                               x.device.index or 0, warps * 32)
-        ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
-                for p in (w.data_ptr(), s.data_ptr())]
-        ptrs += ptrs[-2:] * (3 - len(self.weights))
-        ends = [sum(self.n_sizes[:i + 1]) for i in range(2)]
-        ends = [min(e, self.n) for e in ends]
+        key = (warps, unr, pipe, _mrows(m))
+        if key not in self._functions:  # the process-wide lookup once per instance and variant
+            self._functions[key] = _function(self.fmt == "mxfp4", *key, x.device.index or 0,
+                                             warps * 32)
+        fn, per_sm = self._functions[key]
         tiles = (self.n + 15) // 16
         _launch(fn, tiles if sms is None else min(tiles, sms * per_sm), warps * 32, x.device, pdl,
-                (x.data_ptr(), *ptrs, *ends, self.col_scale.data_ptr(), out.data_ptr(), m,
-                 self.n, self.k, out.stride(0), self.mx_bias))
+                (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
+                 out.stride(0), self.mx_bias))
         return out
 
 

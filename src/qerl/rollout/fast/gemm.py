@@ -105,15 +105,14 @@ class GroupGemm:
         """``x [M, K]`` -> the members' raw outputs ``[M, N_i]`` (views of one buffer when the
         group runs as one GEMM); ``pdl`` / ``sms``: humming's GEMM with programmatic dependent
         launch / on at most ``sms`` multiprocessors (:meth:`HummingFp4.tuning_for`)."""
-        g = self.group
-        if self.uses_gemv(x.shape[0]):
+        g, rows, y = self.group, x.shape[0], None
+        if self.uses_gemv(rows):
             y = self.gemv(x, pdl=pdl, sms=sms)
-            return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
-        if self.uses_humming(x.shape[0]):
+        elif self.uses_humming(rows):
             y = self.humming(x if x.is_contiguous() else x.contiguous(), pdl=pdl, sms=sms)
-            return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
-        if g.all_fp4:
+        elif g.all_fp4:
             y = F.linear(x, self._dequantized(g.members, x.device))
+        if y is not None:  # one GEMM for the group: its members' columns
             return [y[:, o:o + m.out_f] for o, m in zip(g.offsets, g.members, strict=True)]
         outs = []
         for m in g.members:
