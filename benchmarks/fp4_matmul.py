@@ -174,8 +174,9 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
 def _gemm(method: str, fmt: str, t: dict):
     """The GEMM object a ``humming*`` / ``gemv*`` method times: ``humming[_bf16s][_pdl]_<fmt>``
     (humming's ``ct`` or ``bf16_scales`` copy, tuned configs where the file has them),
-    ``gemv[WxUpP][_pdl]_<fmt>`` (our FP4 GEMV, :mod:`qerl.kernels.fp4_gemv`, with W warps a
-    CTA, U steps a batch, pipelined P = 0 / 1; its default for the shape without ``WxUpP``)."""
+    ``gemv[WxUpP[tT]][_pdl]_<fmt>`` (our FP4 GEMV, :mod:`qerl.kernels.fp4_gemv`, with W warps
+    a CTA, U steps a batch, pipelined P = 0 / 1, T tiles a CTA; its default for the shape without
+    ``WxUpP``)."""
     member = [(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"))]
     head = method.split("_")[0]
     if head == "humming":
@@ -185,7 +186,7 @@ def _gemm(method: str, fmt: str, t: dict):
                           layout="bf16_scales" if "bf16s" in method.split("_") else "ct")
     from qerl.kernels.fp4_gemv import Fp4Gemv
 
-    variant = (tuple(int(v) for v in head[4:].replace("p", "x").split("x"))
+    variant = (tuple(int(v) for v in head[4:].replace("p", "x").replace("t", "x").split("x"))
                if head != "gemv" else None)
     return Fp4Gemv(fmt, member, variant=variant)
 

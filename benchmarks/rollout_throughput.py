@@ -29,7 +29,8 @@ multiprocessors, ``lora_sms=4`` / ... / ``16``;
 ``fast_nvfp4_lora_split2`` / ``_split4`` / ``_split6`` (the decode attention's KV slots in that
 many splits, ``FastEngine(attention_splits=...)``; the default chooses), ``fast_nvfp4_gemv`` /
 ``fast_nvfp4_lora_gemv`` (decode waves of up to 8 rows through our FP4 GEMV instead of humming,
-``FastEngine(gemv_max_m=8)``). Per cell: tokens/s
+``FastEngine(gemv_max_m=8)``; the default is 1 row), ``fast_nvfp4_humming`` /
+``fast_nvfp4_lora_humming`` (humming at every row count, ``FastEngine(gemv_max_m=0)``). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -93,9 +94,10 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_split2": dict(attention_splits=2),
                        "fast_nvfp4_lora_split4": dict(attention_splits=4),
                        "fast_nvfp4_lora_split6": dict(attention_splits=6),
-                       "fast_nvfp4_lora_gemv": dict(gemv_max_m=8)}
+                       "fast_nvfp4_lora_gemv": dict(gemv_max_m=8),
+                       "fast_nvfp4_lora_humming": dict(gemv_max_m=0)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl", "fast_nvfp4_gemv",
-                 *NVFP4_LORA_VARIANTS]
+                 "fast_nvfp4_humming", *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
@@ -486,6 +488,8 @@ def main() -> None:
             record("fast_nvfp4_nopdl", lambda: run_fast(model, B, N, V, pdl=False), model)
         if "fast_nvfp4_gemv" in cols:
             record("fast_nvfp4_gemv", lambda: run_fast(model, B, N, V, gemv_max_m=8), model)
+        if "fast_nvfp4_humming" in cols:
+            record("fast_nvfp4_humming", lambda: run_fast(model, B, N, V, gemv_max_m=0), model)
         if "fast_nvfp4_ct" in cols:
             record("fast_nvfp4_ct", lambda: run_fast(model, B, N, V, humming_layout="ct"), model)
         if any(c.startswith("fast_nvfp4_lora") for c in cols):

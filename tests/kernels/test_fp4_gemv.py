@@ -142,6 +142,10 @@ def test_bad_inputs_raise_before_any_work() -> None:
         Fp4Gemv("nvfp4", _members(dict(t, weight_packed=offset)))
     with pytest.raises(ValueError, match="variant"):
         Fp4Gemv("nvfp4", _members(t), variant=(32, 1, 0))
+    with pytest.raises(ValueError, match="variant"):
+        Fp4Gemv("nvfp4", _members(t), variant=(8, 1, 0, 3))
+    with pytest.raises(ValueError, match="variant"):
+        Fp4Gemv("nvfp4", _members(t), variant=(8, 4, 2, 1))
     g = Fp4Gemv("nvfp4", _members(t))
     with pytest.raises(ValueError, match="x must be bf16"):
         g(torch.zeros(MAX_M + 1, 256, dtype=torch.bfloat16))
@@ -157,13 +161,14 @@ def test_bad_inputs_raise_before_any_work() -> None:
 
 
 def test_variant_and_preference_by_shape() -> None:
-    assert fp4_gemv.default_variant(37888, 3584) == (4, 1, 0)  # many CTAs
-    assert fp4_gemv.default_variant(4608, 3584) == (8, 2, 0)
-    assert fp4_gemv.default_variant(3584, 18944) == (8, 1, 0)  # long K
+    assert fp4_gemv.default_variant(37888, 3584) == (4, 1, 0, 2)  # many CTAs, two tiles each
+    assert fp4_gemv.default_variant(4608, 3584) == (8, 2, 0, 1)
+    assert fp4_gemv.default_variant(3584, 18944) == (8, 1, 0, 1)  # long K
     assert fp4_gemv.preferred(4608, 3584) and not fp4_gemv.preferred(3584, 18944)
     # a variant whose staged activations would not fit 48 KiB takes fewer steps a batch
-    assert fp4_gemv._fitting((16, 4, 1), 8) == (16, 1, 1)
-    assert fp4_gemv._fitting((8, 2, 0), 1) == (8, 2, 0)
+    assert fp4_gemv._fitting((16, 4, 1, 1), 8) == (16, 1, 1, 1)
+    assert fp4_gemv._fitting((8, 2, 0, 2), 1) == (8, 2, 0, 2)
+    assert fp4_gemv._fitting((8, 4, 1, 2), 8) == (8, 2, 1, 2)  # 8 * (2 * 8 * 256 + 1024) fits
     assert [fp4_gemv._mrows(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
 
 
@@ -197,7 +202,8 @@ TOL = 8e-3  # bf16 rounding of the output (and of the input) against a float32 r
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n,k,m", [(200, 128, 1), (200, 384, 3), (1000, 640, 8), (17, 256, 2),
                                    (48, 256, 5), (4608, 3584, 1), (3584, 18944, 1)])
-@pytest.mark.parametrize("variant", [None, (4, 1, 0), (8, 4, 1), (16, 2, 0)])
+@pytest.mark.parametrize("variant", [None, (4, 1, 0), (8, 4, 1), (16, 2, 0), (4, 1, 0, 2),
+                                     (8, 2, 1, 2)])
 def test_kernel_against_float32(fmt: str, n: int, k: int, m: int, variant) -> None:
     t = _quant(n, k, fmt, device="cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -209,29 +215,32 @@ def test_kernel_against_float32(fmt: str, n: int, k: int, m: int, variant) -> No
 @gpu
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("pdl,sms", [(False, None), (True, None), (True, 3)])
-def test_stacked_weights_into_a_strided_output(fmt: str, pdl: bool, sms) -> None:
+@pytest.mark.parametrize("variant", [None, (8, 2, 0, 2)])
+def test_stacked_weights_into_a_strided_output(fmt: str, pdl: bool, sms, variant) -> None:
     """Three weights side by side (different global scales; the last not a whole tile), written
-    into a view of a wider buffer; ``sms=3``: a grid of a few CTAs, each looping over tiles."""
-    ts = [_quant(512, 3584, fmt, device="cuda"), _quant(128, 3584, fmt, device="cuda", scale=0.2),
+    into a view of a wider buffer; ``sms=3``: a grid of a few CTAs, each looping over tiles;
+    two tiles a CTA: one pair of tiles straddles the second and third weights (at row 656)."""
+    ts = [_quant(512, 3584, fmt, device="cuda"), _quant(144, 3584, fmt, device="cuda", scale=0.2),
           _quant(72, 3584, fmt, device="cuda", scale=0.005)]
     x = torch.randn(2, 3584, device="cuda", dtype=torch.bfloat16)
     big = torch.full((2, 800), 7.0, device="cuda", dtype=torch.bfloat16)
-    y = Fp4Gemv(fmt, [m for t in ts for m in _members(t)])(x, out=big[:, 10:722], pdl=pdl,
-                                                           sms=sms)
+    y = Fp4Gemv(fmt, [m for t in ts for m in _members(t)], variant=variant)(
+        x, out=big[:, 10:738], pdl=pdl, sms=sms)
     assert _rel(y, _ref(x, ts, fmt)) < TOL
-    for i, (lo, hi) in enumerate(((0, 512), (512, 640), (640, 712))):  # each member on its own
+    for i, (lo, hi) in enumerate(((0, 512), (512, 656), (656, 728))):  # each member on its own
         assert _rel(y[:, lo:hi], _ref(x, ts[i:i + 1], fmt)) < TOL, i
-    assert (big[:, :10] == 7).all() and (big[:, 722:] == 7).all()  # nothing outside the view
+    assert (big[:, :10] == 7).all() and (big[:, 738:] == 7).all()  # nothing outside the view
 
 
 @gpu
-def test_cuda_graph_replay_with_pdl_after_the_writer_of_x() -> None:
+@pytest.mark.parametrize("variant", [None, (4, 1, 0, 2)])
+def test_cuda_graph_replay_with_pdl_after_the_writer_of_x(variant) -> None:
     """Captured behind the kernels that write its input, launched with programmatic dependent
     launch: every replay reads the new input. (A torch writer lets it start only at its end; the
     engine's Triton writers let it start earlier, which
     ``test_gpu_gemv_rollout_matches_teacher_forcing`` covers.)"""
     t = _quant(640, 1024, "nvfp4", device="cuda")
-    g = Fp4Gemv("nvfp4", _members(t))
+    g = Fp4Gemv("nvfp4", _members(t), variant=variant)
     src = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     x = torch.empty_like(src)
     out = torch.empty(1, 640, device="cuda", dtype=torch.bfloat16)

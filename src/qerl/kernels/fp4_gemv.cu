@@ -21,7 +21,9 @@
 // the tensor core; colscale folds the 2^-7 (or the MXFP4 bias) and 1 / global scale back in.
 //
 // Compile-time: MX (0 NVFP4, 1 MXFP4), NWARPS (warps a CTA), UNR (steps a warp loads at once),
-// PIPE (1: the next UNR steps load while these compute; 0: after), MROWS (rows compiled for).
+// PIPE (1: the next UNR steps load while these compute; 0: after), MROWS (rows compiled for),
+// FT (tiles of 16 features a CTA computes at once: its warps load FT times the weights against
+// one load of the activations, which every CTA reads from L2).
 // Requirements (checked by the Python side): K % 128 == 0, x rows contiguous, M <= 8.
 
 typedef unsigned int u32;
@@ -40,6 +42,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef PIPE
 #define PIPE 1
+#endif
+#ifndef FT
+#define FT 1
 #endif
 
 struct __align__(16) U4 { u32 x, y, z, w; };
@@ -107,17 +112,46 @@ __device__ __forceinline__ void scales_f16(const u8* __restrict__ s, int mx_bias
 #endif
 }
 
-#ifndef MROWS
-#define MROWS 1
-#endif
-#define XR ((MROWS + 1) / 2)  // 16-byte activation chunks a lane loads a step (16 lanes a row)
-static_assert(NWARPS * UNR * MROWS * 16 * 16 + NWARPS * 32 * 16 <= 48 * 1024, "shared memory");
-
-struct Step {
-  U4 a, b;           // 32 codes of feature g and of feature g + 8
-  u32 sa[2], sb[2];  // their group scales as f16x2
-  U4 xr[XR];         // 8 bf16 activations of rows 2 i + lane / 16, at 8 (lane % 16) in the step
+// The rows of features g and g + 8 of the tile at row0 (clamped into its member weight, whose
+// rows start at row `start`; members hold whole tiles), as pointers to lane t's first 16-byte
+// chunk of codes and to their first group scale.
+struct Rows {
+  const U4 *wa, *wb;
+  const u8 *sa, *sb;
 };
+__device__ __forceinline__ Rows tile_rows(int row0, int g, int t, const U4* w0, const u8* s0,
+                                          const U4* w1, const u8* s1, const U4* w2,
+                                          const u8* s2, int end0, int end1, int N, int chunks,
+                                          int sgroups) {
+  const int r0 = min(row0, N - 1);
+  const int mem = r0 >= end1 ? 2 : (r0 >= end0 ? 1 : 0);
+  const U4* w = mem == 0 ? w0 : (mem == 1 ? w1 : w2);
+  const u8* scale = mem == 0 ? s0 : (mem == 1 ? s1 : s2);
+  const int start = mem == 0 ? 0 : (mem == 1 ? end0 : end1);
+  const int last = (mem == 0 ? end0 : (mem == 1 ? end1 : N)) - 1;
+  const int ra = min(r0 + g, last) - start, rb = min(r0 + g + 8, last) - start;
+  return {w + (u64)ra * chunks + t, w + (u64)rb * chunks + t, scale + (u64)ra * sgroups,
+          scale + (u64)rb * sgroups};
+}
+
+// Lane (g, t)'s four sums of a tile at row0 (the mma.m16n8k16 accumulator layout) times colscale,
+// as bf16 (round to nearest even) into out[m, n] for the M valid rows and N valid features.
+__device__ __forceinline__ void store_tile(const float (&c)[4], int row0, int g, int t, int M,
+                                           int N, const float* __restrict__ colscale,
+                                           u16* __restrict__ out, int ldo) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = 2 * t + (i & 1);
+    const int n = row0 + g + ((i & 2) ? 8 : 0);
+    if (m < M && n < N) {
+      const float y = c[i] * colscale[n];
+      u32 bits = __float_as_uint(y);
+      bits += 0x7FFFu + ((bits >> 16) & 1u);
+      if ((__float_as_uint(y) & 0x7F800000u) == 0x7F800000u) bits = __float_as_uint(y);
+      out[(u64)m * ldo + n] = (u16)(bits >> 16);
+    }
+  }
+}
 
 // The pair-ordered f16 of 8 bf16 (x0..x7 -> (x0, x4), (x1, x5), (x2, x6), (x3, x7)).
 __device__ __forceinline__ U4 pair_order(U4 v) {
@@ -129,12 +163,46 @@ __device__ __forceinline__ U4 pair_order(U4 v) {
   return o;
 }
 
+// One 16-column step of a lane: decode its 32 codes of features g and g + 8 (words a, b; group
+// scales sa, sb as f16x2), multiply by the activations xb[j] (pair-ordered f16, B fragments).
+__device__ __forceinline__ void mma_step(float (&c0)[4], float (&c1)[4], const u32 (&a)[4],
+                                         const u32 (&b)[4], const u32 (&sa)[2],
+                                         const u32 (&sb)[2], const U4 (&xb)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 pa[4], pb[4];
+    decode8(a[j], pa);
+    decode8(b[j], pb);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      pa[q] = hmul2(pa[q], sa[j >> 1]);
+      pb[q] = hmul2(pb[q], sb[j >> 1]);
+    }
+    mma16816(c0, pa[0], pb[0], pa[1], pb[1], xb[j].x, xb[j].y);
+    mma16816(c1, pa[2], pb[2], pa[3], pb[3], xb[j].z, xb[j].w);
+  }
+}
+
+#ifndef MROWS
+#define MROWS 1
+#endif
+#define XR ((MROWS + 1) / 2)  // 16-byte activation chunks a lane loads a step (16 lanes a row)
+static_assert(NWARPS * UNR * MROWS * 16 * 16 + NWARPS * 32 * 16 * FT <= 48 * 1024,
+              "shared memory");
+
+struct Step {
+  U4 a[FT], b[FT];           // 32 codes of feature g and of feature g + 8 of each tile
+  u32 sa[FT][2], sb[FT][2];  // their group scales as f16x2
+  U4 xr[XR];  // 8 bf16 activations of rows 2 i + lane / 16, at 8 (lane % 16) in the step
+};
+
 extern "C" __global__ void __launch_bounds__(NWARPS * 32)
     fp4_gemv(const U4* x, const U4* __restrict__ w0, const u8* __restrict__ s0,
              const U4* __restrict__ w1, const u8* __restrict__ s1, const U4* __restrict__ w2,
              const u8* __restrict__ s2, int end0, int end1, const float* __restrict__ colscale,
              u16* __restrict__ out, int M, int N, int K, int ldo, int mx_bias) {
   __shared__ U4 xs[NWARPS][UNR][MROWS][16];  // a warp's activations of its UNR steps, f16 pairs
+  __shared__ float red[NWARPS][32][FT][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = K >> 5;  // 16-byte chunks a feature
@@ -145,36 +213,34 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 #else
   const int sgroups = K >> 4;
 #endif
-  __shared__ float red[NWARPS][32][4];
-  // Persistent over tiles of 16 features (a grid smaller than the tiles leaves room beside it).
-  for (int tile = blockIdx.x, first_tile = 1; tile * 16 < N; tile += gridDim.x, first_tile = 0) {
-    const int row0 = tile * 16;
-    // The member weight this tile is in (members hold whole tiles): its rows from `start`.
-    const int mem = row0 >= end1 ? 2 : (row0 >= end0 ? 1 : 0);
-    const U4* w = mem == 0 ? w0 : (mem == 1 ? w1 : w2);
-    const u8* scale = mem == 0 ? s0 : (mem == 1 ? s1 : s2);
-    const int start = mem == 0 ? 0 : (mem == 1 ? end0 : end1);
-    const int last = (mem == 0 ? end0 : (mem == 1 ? end1 : N)) - 1;
-    const int ra = min(row0 + g, last) - start, rb = min(row0 + g + 8, last) - start;
-    const U4* const wa = w + (u64)ra * chunks + t;  // this tile's two features
-    const U4* const wb = w + (u64)rb * chunks + t;
-    const u8* const sa = scale + (u64)ra * sgroups;
-    const u8* const sb = scale + (u64)rb * sgroups;
+  // Persistent over groups of FT tiles of 16 features (a grid smaller than the groups leaves room
+  // beside it).
+  for (int tile = blockIdx.x, first_tile = 1; tile * 16 * FT < N;
+       tile += gridDim.x, first_tile = 0) {
+    const int row0 = tile * 16 * FT;
+    Rows rows[FT];
+#pragma unroll
+    for (int f = 0; f < FT; ++f)
+      rows[f] = tile_rows(row0 + 16 * f, g, t, w0, s0, w1, s1, w2, s2, end0, end1, N, chunks,
+                          sgroups);
 
     auto load_w = [&](Step (&s)[UNR], int first) {
 #pragma unroll
       for (int u = 0; u < UNR; ++u) {
         const int st = first + u * NWARPS;
         if (st < steps) {
-          s[u].a = wa[st * 4];
-          s[u].b = wb[st * 4];
+#pragma unroll
+          for (int f = 0; f < FT; ++f) {
+            s[u].a[f] = rows[f].wa[st * 4];
+            s[u].b[f] = rows[f].wb[st * 4];
 #if MX
-          scales_f16(sa + st * 4 + t, mx_bias, s[u].sa);
-          scales_f16(sb + st * 4 + t, mx_bias, s[u].sb);
+            scales_f16(rows[f].sa + st * 4 + t, mx_bias, s[u].sa[f]);
+            scales_f16(rows[f].sb + st * 4 + t, mx_bias, s[u].sb[f]);
 #else
-          scales_f16(sa + st * 8 + 2 * t, mx_bias, s[u].sa);
-          scales_f16(sb + st * 8 + 2 * t, mx_bias, s[u].sb);
+            scales_f16(rows[f].sa + st * 8 + 2 * t, mx_bias, s[u].sa[f]);
+            scales_f16(rows[f].sb + st * 8 + 2 * t, mx_bias, s[u].sb[f]);
 #endif
+          }
         }
       }
     };
@@ -190,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
         }
       }
     };
-    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+    float c[FT][2][4] = {};  // per tile: the partial sums of codes 0-15 and 16-31 of each word
     auto compute = [&](Step (&s)[UNR], int first) {
       __syncwarp();
 #pragma unroll
@@ -205,25 +271,18 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
       __syncwarp();
 #pragma unroll
       for (int u = 0; u < UNR; ++u) {
-        const int st = first + u * NWARPS;
-        if (st < steps) {
-          const u32 wa4[4] = {s[u].a.x, s[u].a.y, s[u].a.z, s[u].a.w};
-          const u32 wb4[4] = {s[u].b.x, s[u].b.y, s[u].b.z, s[u].b.w};
+        if (first + u * NWARPS < steps) {
+          U4 xb[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            u32 pa[4], pb[4];
-            decode8(wa4[j], pa);
-            decode8(wb4[j], pb);
-            const u32 ska = s[u].sa[j >> 1], skb = s[u].sb[j >> 1];
+            xb[j] = U4{0u, 0u, 0u, 0u};
+            if (g < M) xb[j] = xs[warp][u][g][4 * t + j];
+          }
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              pa[q] = hmul2(pa[q], ska);
-              pb[q] = hmul2(pb[q], skb);
-            }
-            U4 xb = {0u, 0u, 0u, 0u};
-            if (g < M) xb = xs[warp][u][g][4 * t + j];
-            mma16816(c0, pa[0], pb[0], pa[1], pb[1], xb.x, xb.y);
-            mma16816(c1, pa[2], pb[2], pa[3], pb[3], xb.z, xb.w);
+          for (int f = 0; f < FT; ++f) {
+            const u32 a4[4] = {s[u].a[f].x, s[u].a[f].y, s[u].a[f].z, s[u].a[f].w};
+            const u32 b4[4] = {s[u].b[f].x, s[u].b[f].y, s[u].b[f].z, s[u].b[f].w};
+            mma_step(c[f][0], c[f][1], a4, b4, s[u].sa[f], s[u].sb[f], xb);
           }
         }
       }
@@ -255,30 +314,23 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
       load_x(cur, first + NWARPS * UNR);
     }
 #endif
-    float c[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = c0[i] + c1[i];
-
     // Sum the warps' partial tiles, then write the M valid columns.
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
+    for (int f = 0; f < FT; ++f)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][lane][f][i] = c[f][0][i] + c[f][1][i];
     __syncthreads();
     if (warp == 0) {
 #pragma unroll
-      for (int v = 1; v < NWARPS; ++v)
+      for (int f = 0; f < FT; ++f) {
+        float y4[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) c[i] += red[v][lane][i];
+        for (int i = 0; i < 4; ++i) y4[i] = red[0][lane][f][i];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 2 * t + (i & 1);
-        const int n = row0 + g + ((i & 2) ? 8 : 0);
-        if (m < M && n < N) {
-          const float y = c[i] * colscale[n];
-          u32 bits = __float_as_uint(y);
-          bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even bf16
-          if ((__float_as_uint(y) & 0x7F800000u) == 0x7F800000u) bits = __float_as_uint(y);
-          out[(u64)m * ldo + n] = (u16)(bits >> 16);
-        }
+        for (int v = 1; v < NWARPS; ++v)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) y4[i] += red[v][lane][f][i];
+        store_tile(y4, row0 + 16 * f, g, t, M, N, colscale, out, ldo);
       }
     }
     __syncthreads();  // red is rewritten by the next tile

@@ -48,14 +48,16 @@ def supports(fmt: str, k: int, m: int, dtype: torch.dtype, device: torch.device 
     return True
 
 
-def default_variant(n: int, k: int) -> tuple[int, int, int]:
-    """``(warps a CTA, steps a warp loads at once, pipelined)`` for an ``n x k`` weight (see the
-    ``.cu`` file), the fastest at one row of the fp4_matmul benchmark's ``gemv`` scan (H100, run
-    68 of docs/benchmarks.md): many CTAs (the 7B gate/up's 2,368) want small ones and one step in
-    flight; a few hundred (q/k/v, o, down) want 8 warps, and two steps each where K is short."""
+def default_variant(n: int, k: int) -> tuple[int, int, int, int]:
+    """``(warps a CTA, steps a warp loads at once, pipelined, tiles a CTA)`` for an ``n x k``
+    weight (see the ``.cu`` file), the fastest at one row of the fp4_matmul benchmark's ``gemv`` scan (H100, run
+    68 of docs/benchmarks.md): many CTAs (the 7B gate/up's 2,368 tiles) want small ones, one step
+    in flight and two tiles each (one load of the activations for both: 35.7 against 36.4 us, and
+    34.9 against 38.4 on 124 multiprocessors, run 75); a few hundred (q/k/v, o, down) want 8
+    warps, and two steps each where K is short."""
     if -(-n // 16) >= 1024:
-        return 4, 1, 0
-    return (8, 1, 0) if k // STEP_K >= 64 else (8, 2, 0)
+        return 4, 1, 0, 2
+    return (8, 1, 0, 1) if k // STEP_K >= 64 else (8, 2, 0, 1)
 
 
 def preferred(n: int, k: int) -> bool:
@@ -91,7 +93,8 @@ class Fp4Gemv:
             most 3, each but the last a multiple of 16 rows), all with the same K (a multiple of
             ``STEP_K``), contiguous, on one CUDA device; read in place by every call (never
             written), so they must stay alive and where they are.
-        variant: ``(warps a CTA, steps a warp loads at once, pipelined 0 / 1)``;
+        variant: ``(warps a CTA, steps a warp loads at once, pipelined 0 / 1, tiles of 16
+            features a CTA computes at once: 1 / 2)`` (a 3-tuple means one tile);
             :func:`default_variant` if None.
     """
 
@@ -112,17 +115,19 @@ class Fp4Gemv:
         self.mx_bias = max(mx_bias(s) for s in self.scales) if fmt == "mxfp4" else 0
         # the kernel's own per-column factor (not a ``col_scale`` for the consumer to apply)
         self.column_factor = _column_factor(fmt, members, self.n_sizes, self.mx_bias, self.device)
-        self.variant = tuple(variant) if variant else default_variant(self.n, self.k)
+        self.variant = ((*variant, 1)[:4] if variant and len(variant) == 3
+                        else tuple(variant) if variant else default_variant(self.n, self.k))
         ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
                 for p in (w.data_ptr(), s.data_ptr())]
         ends = [sum(self.n_sizes[:1]), sum(self.n_sizes[:2])]  # members 2 and 3 start there
-        self._functions: dict[tuple[int, int, int, int], tuple] = {}
+        self._functions: dict[tuple[int, ...], tuple] = {}
         self._weight_args = (*ptrs, *ptrs[-2:] * (3 - len(self.weights)), *ends,
                              self.column_factor.data_ptr())
-        warps, unr, pipe = self.variant
-        if not (1 <= warps <= 16 and unr >= 1 and pipe in (0, 1)):
+        warps, unr, pipe, ft = (*self.variant, 0, 0, 0, 0)[:4]
+        if not (len(self.variant) == 4 and 1 <= warps <= 16 and unr >= 1 and pipe in (0, 1)
+                and ft in (1, 2)):
             raise ValueError(f"Fp4Gemv: variant must be (1..16 warps, >= 1 steps, pipelined 0 "
-                             f"or 1), got {self.variant}")
+                             f"or 1, 1 or 2 tiles), got {self.variant}")
 
     def nbytes(self) -> int:
         """Bytes this GEMM adds to the weights it reads in place (its column factors)."""
@@ -153,14 +158,15 @@ class Fp4Gemv:
         if sms is not None and sms < 1:
             raise ValueError(f"Fp4Gemv: sms must be a positive number of multiprocessors or "
                              f"None, got {sms}")
-        warps, unr, pipe = _fitting(self.variant, m)
-        key = (warps, unr, pipe, _mrows(m))
+        warps, unr, pipe, ft = _fitting(self.variant, m)
+        key = (warps, unr, pipe, ft, _mrows(m))
         if key not in self._functions:  # the process-wide lookup once per instance and variant
             self._functions[key] = _function(self.fmt == "mxfp4", *key, x.device.index or 0,
                                              warps * 32)
         fn, per_sm = self._functions[key]
-        tiles = (self.n + 15) // 16
-        _launch(fn, tiles if sms is None else min(tiles, sms * per_sm), warps * 32, x.device, pdl,
+        groups = -(-self.n // (16 * ft))  # what one CTA computes at once
+        _launch(fn, groups if sms is None else min(groups, sms * per_sm), warps * 32, x.device,
+                pdl,
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias))
         return out
@@ -217,17 +223,18 @@ def _mrows(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
-def _fitting(variant: tuple[int, int, int], m: int) -> tuple[int, int, int]:
+def _fitting(variant: tuple[int, int, int, int], m: int) -> tuple[int, int, int, int]:
     """``variant`` with fewer steps in flight where its staged activations (``warps * steps *
-    rows * 256`` bytes) and partial sums (``warps * 512``) would exceed 48 KiB of shared memory."""
-    warps, unr, pipe = variant
-    while unr > 1 and warps * (unr * _mrows(m) * 256 + 512) > 48 * 1024:
+    rows * 256`` bytes) and partial sums (``warps * tiles * 512``) would exceed 48 KiB of shared
+    memory."""
+    warps, unr, pipe, ft = variant
+    while unr > 1 and warps * (unr * _mrows(m) * 256 + 512 * ft) > 48 * 1024:
         unr //= 2
-    return warps, unr, pipe
+    return warps, unr, pipe, ft
 
 
 @functools.cache
-def _cubin(mx: bool, warps: int, unr: int, pipe: int, mrows: int, arch: str) -> bytes:
+def _cubin(mx: bool, warps: int, unr: int, pipe: int, ft: int, mrows: int, arch: str) -> bytes:
     """The kernel compiled by NVRTC for ``arch`` (e.g. ``sm_90``)."""
     from cuda.bindings import nvrtc
 
@@ -235,7 +242,7 @@ def _cubin(mx: bool, warps: int, unr: int, pipe: int, mrows: int, arch: str) -> 
     prog = _check(nvrtc.nvrtcCreateProgram(src, b"fp4_gemv.cu", 0, [], []), "nvrtcCreateProgram")
     opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DMX={int(mx)}".encode(),
             f"-DNWARPS={warps}".encode(), f"-DUNR={unr}".encode(), f"-DPIPE={pipe}".encode(),
-            f"-DMROWS={mrows}".encode()]
+            f"-DFT={ft}".encode(), f"-DMROWS={mrows}".encode()]
     status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
     if int(status) != 0:
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
@@ -253,7 +260,8 @@ def _cubin(mx: bool, warps: int, unr: int, pipe: int, mrows: int, arch: str) -> 
 _FUNCTIONS: dict = {}
 
 
-def _function(mx: bool, warps: int, unr: int, pipe: int, mrows: int, device: int, block: int):
+def _function(mx: bool, warps: int, unr: int, pipe: int, ft: int, mrows: int, device: int,
+              block: int):
     """The loaded kernel for the current CUDA context (compiled once per process and variant)
     and how many of its CTAs of ``block`` threads one multiprocessor holds at once."""
     from cuda.bindings import driver
@@ -261,17 +269,16 @@ def _function(mx: bool, warps: int, unr: int, pipe: int, mrows: int, device: int
     with torch.cuda.device(device):  # torch's primary context, current on this thread
         torch.cuda.init()
         ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        return _loaded(driver, ctx, mx, warps, unr, pipe, mrows, device, block)
+        return _loaded(driver, ctx, mx, (warps, unr, pipe, ft, mrows), device, block)
 
 
-def _loaded(driver, ctx, mx: bool, warps: int, unr: int, pipe: int, mrows: int, device: int,
-            block: int):
-    key = (int(ctx), mx, warps, unr, pipe, mrows)
+def _loaded(driver, ctx, mx: bool, variant: tuple[int, ...], device: int, block: int):
+    key = (int(ctx), mx, *variant)
     with _LOCK:
         hit = _FUNCTIONS.get(key)
         if hit is None:
             major, minor = torch.cuda.get_device_capability(device)
-            cubin = _cubin(mx, warps, unr, pipe, mrows, f"sm_{major}{minor}")
+            cubin = _cubin(mx, *variant, f"sm_{major}{minor}")
             module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
             fn = _check(driver.cuModuleGetFunction(module, b"fp4_gemv"), "cuModuleGetFunction")
             per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0),

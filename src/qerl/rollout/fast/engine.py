@@ -93,7 +93,8 @@ class FastEngine:
             at 7B B=1).
         gemv_max_m: decode waves of at most this many rows (0: off; up to 8; measured at 1) run
             4-bit GEMMs through our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`, reading the weights in
-            place; not with ``single_copy``), the LoRA beside it, instead of humming's.
+            place; not with ``single_copy``), the LoRA beside it, instead of humming's; 1 by
+            default (7B B=1 on an H100, run 77: 2.91 -> 2.74 ms a step, with LoRA 3.12 -> 3.02).
     """
 
     name = "fast"
@@ -105,7 +106,7 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M,
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8, lora_end_wait: str = "one", gemv_max_m: int = 0) -> None:
+                 lora_sms: int = 8, lora_end_wait: str = "one", gemv_max_m: int = 1) -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
