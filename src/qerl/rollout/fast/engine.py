@@ -93,8 +93,7 @@ class FastEngine:
             at 7B B=1).
         gemv_max_m: decode waves of at most this many rows (0: off; up to 8; measured at 1) run
             4-bit GEMMs through our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`, reading the weights in
-            place; not with ``single_copy``), the LoRA beside it, instead of humming's; 1 by
-            default (7B B=1 on an H100, run 77: 2.91 -> 2.74 ms a step, with LoRA 3.12 -> 3.02).
+            place; not with ``single_copy``), the LoRA beside it (7B B=1, H100: 2.91 -> 2.74 ms).
     """
 
     name = "fast"
