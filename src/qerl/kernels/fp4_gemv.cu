@@ -6,8 +6,8 @@
 // each but the last a whole number of 16-row tiles), and computes, per output feature n and row m,
 // colscale[n] * sum_k x[m, k] * code(n, k) * scale(n, k / group).
 //
-// A CTA loops over tiles of 16 output features (as many CTAs as the caller lets fit beside what
-// runs next); its NWARPS warps split K in steps of 128. In a step, lane
+// A CTA loops over groups of FT tiles of 16 output features (as many CTAs as the caller lets fit
+// beside what runs next); its NWARPS warps split K in steps of 128. In a step, lane
 // (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of feature g and of feature g + 8, at
 // codes [128 s + 32 t, +32). A mma.m16n8k16 sums over 16 "logical" k of a lane group; which
 // physical k a logical k stands for is free as long as the weight (A) and activation (B) operands

@@ -2,10 +2,11 @@
 
 At one row humming's smallest tile is 8 rows, and its decode GEMMs are bound by the loads one
 multiprocessor keeps in flight (docs/benchmarks.md, runs 55-58), not by the DRAM. This kernel is
-written for that case: a CTA takes tiles of 16 output features and splits K over its warps, each lane
-streams 16-byte chunks of the stored compressed-tensors codes straight into registers, decodes them
-with a few integer operations per pair of codes and lets the tensor cores (``mma.m16n8k16``) do the
-multiply-adds, in fp32 (the layout and the arithmetic are described in the ``.cu`` file).
+written for that case: a CTA takes tiles of 16 output features (one or two at once) and splits K
+over its warps, each lane streams 16-byte chunks of the stored compressed-tensors codes straight
+into registers, decodes them with a few integer operations per pair of codes and lets the tensor
+cores (``mma.m16n8k16``) do the multiply-adds, in fp32 (the layout and the arithmetic are
+described in the ``.cu`` file).
 
 :class:`Fp4Gemv` runs one or several FP4 weights that share the input (q/k/v, gate/up) as one
 GEMM whose output columns are theirs side by side, reading the stored tensors in place (no copy:
