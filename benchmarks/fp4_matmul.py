@@ -10,7 +10,8 @@ written per second). Methods: ``cublas_bf16`` (F.linear on bf16 weights), ``humm
 ``humming_mxfp4`` (humming-kernels, tuned configs when the tuning file has them),
 ``dequant_cublas_<fmt>`` (our Triton dequantize into the scratch + cuBLAS, the training / large-M
 path), ``gemv_<fmt>`` (our FP4 GEMV for a few rows, ``qerl.kernels.fp4_gemv``; ``gemv8x2p1_<fmt>``:
-8 warps a CTA, batches of 2 steps, the next batch loading while one computes; ``_pdl``,
+8 warps a CTA, batches of 2 steps, the next batch loading while one computes; ``gemv4x1p0t2``:
+two tiles of 16 features a CTA; ``_pdl``,
 ``_sms124`` (at most that many multiprocessors' worth of CTAs) and humming's ``_bf16s`` copy:
 see ``_gemm``) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old module).
 
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -171,6 +173,35 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
     raise ValueError(method)
 
 
+FP4 = "(nvfp4|mxfp4)"
+METHOD = re.compile(rf"cublas_bf16|dequant_cublas_{FP4}|legacy_triton_{FP4}"
+                    rf"|humming(_bf16s)?(_sms\d+)?(_pdl)?_{FP4}"
+                    rf"|gemv(\d+x\d+p[01](t[12])?)?(_sms\d+)?(_pdl)?_{FP4}")
+GEMV_VARIANT = re.compile(r"gemv(\d+)x(\d+)p([01])(?:t([12]))?")
+
+
+def check_methods(methods: list[str]) -> None:
+    """A ValueError naming the first method this script does not know (before any GPU work)."""
+    for m in methods:
+        if not METHOD.fullmatch(m):
+            raise ValueError(f"unknown method {m!r}: known are cublas_bf16, "
+                             "humming[_bf16s][_smsN][_pdl]_<fmt>, "
+                             "gemv[<W>x<U>p<0|1>[t<1|2>]][_smsN][_pdl]_<fmt>, "
+                             "dequant_cublas_<fmt>, legacy_triton_<fmt> (fmt: nvfp4 or mxfp4)")
+
+
+def gemv_variant(method: str) -> tuple[int, ...] | None:
+    """The ``Fp4Gemv`` variant a ``gemv*`` method names: ``gemv4x1p0t2_pdl_nvfp4`` ->
+    ``(4, 1, 0, 2)``; None (the shape's default) for plain ``gemv``."""
+    head = method.split("_")[0]
+    if head == "gemv":
+        return None
+    match = GEMV_VARIANT.fullmatch(head)
+    if match is None:
+        raise ValueError(f"unknown method {method!r}: a GEMV variant is gemv<W>x<U>p<0|1>[t<1|2>]")
+    return tuple(int(v) for v in match.groups(default="1"))
+
+
 def _gemm(method: str, fmt: str, t: dict):
     """The GEMM object a ``humming*`` / ``gemv*`` method times: ``humming[_bf16s][_pdl]_<fmt>``
     (humming's ``ct`` or ``bf16_scales`` copy, tuned configs where the file has them),
@@ -186,9 +217,7 @@ def _gemm(method: str, fmt: str, t: dict):
                           layout="bf16_scales" if "bf16s" in method.split("_") else "ct")
     from qerl.kernels.fp4_gemv import Fp4Gemv
 
-    variant = (tuple(int(v) for v in head[4:].replace("p", "x").replace("t", "x").split("x"))
-               if head != "gemv" else None)
-    return Fp4Gemv(fmt, member, variant=variant)
+    return Fp4Gemv(fmt, member, variant=gemv_variant(method))
 
 
 def check_accuracy(method: str, n: int, k: int, m: int, legacy=None) -> float:
@@ -492,6 +521,10 @@ def main() -> None:  # pragma: no cover - GPU only
         return
     if args.crossover:
         args.methods = "humming_nvfp4,dequant_cublas_nvfp4,humming_mxfp4,dequant_cublas_mxfp4"
+    try:
+        check_methods(args.methods.split(","))
+    except ValueError as e:
+        ap.error(str(e))
     legacy = None
     if args.legacy:
         import importlib.util

@@ -21,3 +21,26 @@ def test_rollout_throughput_refuses_unknown_names(args, msg) -> None:
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert msg in proc.stderr and "known:" in proc.stderr
+
+
+@pytest.mark.parametrize("method", ["gemvt2_pdl_nvfp4", "gemv4t1t0t2_nvfp4", "gemv4x1p2_nvfp4",
+                                    "humming_nvfp5", "cublas_fp8"])
+def test_fp4_matmul_refuses_unknown_methods(method) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp4_matmul.py"),
+                           "--methods", f"cublas_bf16,{method}"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"unknown method {method!r}" in proc.stderr
+
+
+def test_fp4_matmul_gemv_variant_names() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fp4_matmul
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert fp4_matmul.gemv_variant("gemv4x1p0t2_pdl_nvfp4") == (4, 1, 0, 2)
+    assert fp4_matmul.gemv_variant("gemv8x2p1_sms124_pdl_mxfp4") == (8, 2, 1, 1)
+    assert fp4_matmul.gemv_variant("gemv_sms124_pdl_nvfp4") is None
+    fp4_matmul.check_methods(["cublas_bf16", "humming_bf16s_pdl_nvfp4", "gemv16x2p0_pdl_nvfp4",
+                              "gemv_pdl_mxfp4", "dequant_cublas_nvfp4", "legacy_triton_nvfp4"])

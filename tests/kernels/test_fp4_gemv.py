@@ -144,8 +144,10 @@ def test_bad_inputs_raise_before_any_work() -> None:
         Fp4Gemv("nvfp4", _members(t), variant=(32, 1, 0))
     with pytest.raises(ValueError, match="variant"):
         Fp4Gemv("nvfp4", _members(t), variant=(8, 1, 0, 3))
-    with pytest.raises(ValueError, match="variant"):
-        Fp4Gemv("nvfp4", _members(t), variant=(8, 4, 2, 1))
+    for bad in ((8, 4, 2, 1), (8, 1), (8, 1, 0, 1, 1), (8, 1, 0, 2.0)):
+        with pytest.raises(ValueError, match="variant must be ints"):
+            Fp4Gemv("nvfp4", _members(t), variant=bad)
+    assert Fp4Gemv("nvfp4", _members(t), variant=(4, 1, 0)).variant == (4, 1, 0, 1)
     g = Fp4Gemv("nvfp4", _members(t))
     with pytest.raises(ValueError, match="x must be bf16"):
         g(torch.zeros(MAX_M + 1, 256, dtype=torch.bfloat16))

@@ -335,6 +335,7 @@ def test_bad_engine_options() -> None:
     for bad in (-1, 9, True, 1.0):
         with pytest.raises(ValueError, match="gemv_max_m must be an int in 0..8"):
             FastEngine(gemv_max_m=bad)
+    assert FastEngine().gemv_max_m == 1  # one-row decode waves through the FP4 GEMV by default
     # asked for where it cannot work: refused before the prefill, naming the option and the fix
     eng = FastEngine(backend="torch", pdl=True)
     with pytest.raises(ValueError, match=r"pdl=True needs a CUDA GPU .* use pdl=None"):

@@ -125,10 +125,10 @@ class Fp4Gemv:
         self._weight_args = (*ptrs, *ptrs[-2:] * (3 - len(self.weights)), *ends,
                              self.column_factor.data_ptr())
         warps, unr, pipe, ft = (*self.variant, 0, 0, 0, 0)[:4]
-        if not (len(self.variant) == 4 and 1 <= warps <= 16 and unr >= 1 and pipe in (0, 1)
-                and ft in (1, 2)):
-            raise ValueError(f"Fp4Gemv: variant must be (1..16 warps, >= 1 steps, pipelined 0 "
-                             f"or 1, 1 or 2 tiles), got {self.variant}")
+        if not (len(self.variant) == 4 and all(type(v) is int for v in self.variant)
+                and 1 <= warps <= 16 and unr >= 1 and pipe in (0, 1) and ft in (1, 2)):
+            raise ValueError(f"Fp4Gemv: variant must be ints (1..16 warps, >= 1 steps, pipelined "
+                             f"0 or 1[, 1 or 2 tiles: 1 if left out]), got {variant}")
 
     def nbytes(self) -> int:
         """Bytes this GEMM adds to the weights it reads in place (its column factors)."""
