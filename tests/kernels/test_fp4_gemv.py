@@ -164,8 +164,11 @@ def test_bad_inputs_raise_before_any_work() -> None:
 
 def test_variant_and_preference_by_shape() -> None:
     assert fp4_gemv.default_variant(37888, 3584) == (4, 1, 0, 2)  # many CTAs, two tiles each
-    assert fp4_gemv.default_variant(4608, 3584) == (8, 2, 0, 1)
-    assert fp4_gemv.default_variant(3584, 18944) == (8, 1, 0, 1)  # long K
+    assert fp4_gemv.default_variant(4608, 3584) == (8, 2, 0, 1)  # 288 tiles
+    assert fp4_gemv.default_variant(3584, 3584) == (8, 4, 0, 1)  # 224: two CTAs a multiprocessor
+    assert fp4_gemv.default_variant(3584, 18944) == (8, 4, 0, 1)
+    assert fp4_gemv.default_variant(3584, 18944, sms=100) == (8, 1, 0, 1)  # long K
+    assert fp4_gemv.default_variant(3584, 3584, sms=100) == (8, 2, 0, 1)
     assert fp4_gemv.preferred(4608, 3584) and not fp4_gemv.preferred(3584, 18944)
     # a variant whose staged activations would not fit 48 KiB takes fewer steps a batch
     assert fp4_gemv._fitting((16, 4, 1, 1), 8) == (16, 1, 1, 1)

@@ -49,15 +49,21 @@ def supports(fmt: str, k: int, m: int, dtype: torch.dtype, device: torch.device 
     return True
 
 
-def default_variant(n: int, k: int) -> tuple[int, int, int, int]:
+def default_variant(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
     """``(warps a CTA, steps a warp loads at once, pipelined, tiles a CTA)`` for an ``n x k``
-    weight (see the ``.cu`` file), the fastest at one row of the fp4_matmul benchmark's ``gemv`` scan (H100, run
-    68 of docs/benchmarks.md): many CTAs (the 7B gate/up's 2,368 tiles) want small ones, one step
-    in flight and two tiles each (one load of the activations for both: 35.7 against 36.4 us, and
-    34.9 against 38.4 on 124 multiprocessors, run 75); a few hundred (q/k/v, o, down) want 8
-    warps, and two steps each where K is short."""
-    if -(-n // 16) >= 1024:
+    weight on a GPU of ``sms`` multiprocessors (see the ``.cu`` file): the fastest at one row of the
+    fp4_matmul benchmark's ``gemv`` scans (H100, runs 68 and 74-77 of docs/benchmarks.md). Many
+    CTAs (the 7B gate/up's 2,368 tiles) want small ones, one step in flight and two tiles each
+    (one load of the activations for both: 35.7 against 36.4 us, and 34.9 against 38.4 on 124
+    multiprocessors, run 75); a few hundred want 8 warps, four steps each where the tiles fit two
+    CTAs a multiprocessor (the 7B o and down, 224 tiles: 5.6-5.8 against 6.7-7.1 us and 24.3-24.5
+    against 25.7-27.2, runs 74-76), else two steps where K is short (q/k/v, 288 tiles: 6.8-8.2
+    against 9.3-9.5 with four) and one where it is long."""
+    tiles = -(-n // 16)
+    if tiles >= 1024:
         return 4, 1, 0, 2
+    if tiles <= 2 * sms:
+        return 8, 4, 0, 1
     return (8, 1, 0, 1) if k // STEP_K >= 64 else (8, 2, 0, 1)
 
 
@@ -117,7 +123,8 @@ class Fp4Gemv:
         # the kernel's own per-column factor (not a ``col_scale`` for the consumer to apply)
         self.column_factor = _column_factor(fmt, members, self.n_sizes, self.mx_bias, self.device)
         self.variant = ((*variant, 1)[:4] if variant and len(variant) == 3
-                        else tuple(variant) if variant else default_variant(self.n, self.k))
+                        else tuple(variant) if variant
+                        else default_variant(self.n, self.k, _multiprocessors(self.device)))
         ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
                 for p in (w.data_ptr(), s.data_ptr())]
         ends = [sum(self.n_sizes[:1]), sum(self.n_sizes[:2])]  # members 2 and 3 start there
@@ -171,6 +178,13 @@ class Fp4Gemv:
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias))
         return out
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The multiprocessors of ``device`` (132, an H100's or H200's, where it is not a GPU)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_members(fmt: str, members) -> None:
