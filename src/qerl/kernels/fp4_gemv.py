@@ -107,10 +107,12 @@ class Fp4Gemv:
 
     def __init__(self, fmt: str, members: Sequence[tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor | None]],
-                 variant: tuple[int, int, int] | None = None) -> None:
+                 variant: tuple[int, ...] | None = None) -> None:
         if fmt not in ("nvfp4", "mxfp4"):
             raise ValueError(f"Fp4Gemv: fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
         _check_members(fmt, members)
+        if variant is not None:
+            variant = _checked_variant(variant)
         packed = [m[0] for m in members]
         self.fmt = fmt
         self.n_sizes = [int(p.shape[0]) for p in packed]
@@ -122,20 +124,13 @@ class Fp4Gemv:
         self.mx_bias = max(mx_bias(s) for s in self.scales) if fmt == "mxfp4" else 0
         # the kernel's own per-column factor (not a ``col_scale`` for the consumer to apply)
         self.column_factor = _column_factor(fmt, members, self.n_sizes, self.mx_bias, self.device)
-        self.variant = ((*variant, 1)[:4] if variant and len(variant) == 3
-                        else tuple(variant) if variant
-                        else default_variant(self.n, self.k, _multiprocessors(self.device)))
+        self.variant = variant or default_variant(self.n, self.k, _multiprocessors(self.device))
         ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
                 for p in (w.data_ptr(), s.data_ptr())]
         ends = [sum(self.n_sizes[:1]), sum(self.n_sizes[:2])]  # members 2 and 3 start there
         self._functions: dict[tuple[int, ...], tuple] = {}
         self._weight_args = (*ptrs, *ptrs[-2:] * (3 - len(self.weights)), *ends,
                              self.column_factor.data_ptr())
-        warps, unr, pipe, ft = (*self.variant, 0, 0, 0, 0)[:4]
-        if not (len(self.variant) == 4 and all(type(v) is int for v in self.variant)
-                and 1 <= warps <= 16 and unr >= 1 and pipe in (0, 1) and ft in (1, 2)):
-            raise ValueError(f"Fp4Gemv: variant must be ints (1..16 warps, >= 1 steps, pipelined "
-                             f"0 or 1[, 1 or 2 tiles: 1 if left out]), got {variant}")
 
     def nbytes(self) -> int:
         """Bytes this GEMM adds to the weights it reads in place (its column factors)."""
@@ -178,6 +173,18 @@ class Fp4Gemv:
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias))
         return out
+
+
+def _checked_variant(variant: Sequence[int]) -> tuple[int, int, int, int]:
+    """``variant`` as ``(warps, steps, pipelined, tiles)`` (a 3-tuple means one tile), or a
+    ValueError saying what it must be."""
+    full = (*variant, 1) if len(variant) == 3 else tuple(variant)
+    warps, unr, pipe, ft = (*full, 0, 0, 0, 0)[:4]
+    if not (len(full) == 4 and all(type(v) is int for v in full)
+            and 1 <= warps <= 16 and unr >= 1 and pipe in (0, 1) and ft in (1, 2)):
+        raise ValueError(f"Fp4Gemv: variant must be ints (1..16 warps, >= 1 steps, pipelined "
+                         f"0 or 1[, 1 or 2 tiles: 1 if left out]), got {variant}")
+    return full
 
 
 def _multiprocessors(device: torch.device) -> int:

@@ -83,8 +83,8 @@ class GroupGemm:
     def beside_sms(self, rows: int, sms: int | None) -> int | None:
         """The multiprocessors this group's GEMM runs on beside its fused LoRA in decode at
         ``rows``: ``sms`` when the group has adapters and the GEMM is humming's or our GEMV (the
-        kinds that let the LoRA start beside them; the GEMV keeps every multiprocessor and lets
-        the LoRA's programs in where they fit), else ``None`` (the whole GPU, the LoRA first)."""
+        kinds that let the LoRA start beside them; the GEMV launches at most as many CTAs as fit
+        on that many multiprocessors), else ``None`` (the whole GPU, the LoRA first)."""
         ok = self.uses_humming(rows) or self.uses_gemv(rows)
         return sms if sms is not None and self.group.r_total and ok else None
 
