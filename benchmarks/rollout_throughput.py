@@ -12,7 +12,9 @@ Rows: ``7b-64`` (B=64, N=256), ``7b-1`` (B=1, N=256; the paper measures rollouts
 to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
 ``fast_nvfp4_lora_seq`` (LoRA on the main stream, ``lora_overlap=False``), ``fast_nvfp4_lora_side``
 (LoRA on a side stream, ``lora_overlap=True``; by default only the cuBLAS pair takes one), ``fast_nvfp4_lora_cublas`` (LoRA as
-two cuBLAS GEMMs a group instead of the fused kernel), ``fast_nvfp4_lora_fused64`` (the fused
+two cuBLAS GEMMs a group instead of the fused kernel), ``fast_nvfp4_lora_standalone`` (the
+fused LoRA kernel beside our FP4 GEMV at one row, not inside its launch, ``lora_kernel=
+"standalone"``), ``fast_nvfp4_lora_fused64`` (the fused
 LoRA kernel at every batch up to 64 rows, ``FastEngine(fused_lora_max_rows=64)``: the default since
 run 27, so the same as ``fast_nvfp4_lora``),
 ``fast_nvfp4_ct`` / ``fast_nvfp4_lora_ct`` (humming's copy of the NVFP4 weights in the stored
@@ -81,6 +83,7 @@ COLUMNS = ["hf_bf16", "fast_bf16", "fast_nvfp4", "fast_nvfp4_lora", "fast_mxfp4"
 NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_side": dict(lora_overlap=True),
                        "fast_nvfp4_lora_cublas": dict(lora_kernel="cublas"),
+                       "fast_nvfp4_lora_standalone": dict(lora_kernel="standalone"),
                        "fast_nvfp4_lora_fused64": dict(fused_lora_max_rows=64),
                        "fast_nvfp4_lora_ct": dict(humming_layout="ct"),
                        "fast_nvfp4_lora_nopdl": dict(pdl=False),
@@ -276,7 +279,8 @@ def run_fast(model, B: int, N: int, vocab: int, **engine_kw) -> dict:
                 "ms_step": st["decode_s"] / max(1, st["decode_steps"]) * 1e3,
                 "prefill_ms": st["prefill_s"] * 1e3, "total_s": total, "new_tokens": n_new,
                 "cuda_graph": st["cuda_graph"], "backend": st["backend"],
-                "fp4_backend": st.get("fp4_backend"), "lora_kernel": st.get("lora_kernel")}
+                "fp4_backend": st.get("fp4_backend"), "lora_kernel": st.get("lora_kernel"),
+                "gemv_groups": st.get("gemv_groups"), "lora_in_gemv": st.get("lora_in_gemv")}
 
     res, extra = _timed(run, warm)
     out = info.pop("out")

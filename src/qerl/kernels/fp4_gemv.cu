@@ -24,7 +24,19 @@
 // PIPE (1: the next UNR steps load while these compute; 0: after), MROWS (rows compiled for),
 // FT (tiles of 16 features a CTA computes at once: its warps load FT times the weights against
 // one load of the activations, which every CTA reads from L2).
-// Requirements (checked by the Python side): K % 128 == 0, x rows contiguous, M <= 8.
+// LORA (0: off; else the rank window, a multiple of 8 up to 128): the group's LoRA in the same
+// launch, y += round_bf16(x A^T) B^T (A = a_cat [R, K], B = b_full [N, R] block diagonal, bf16).
+// Every CTA takes a ticket from a 64-bit counter that only grows (a launch has split + groups
+// CTAs, so ticket t is local ticket t mod P of launch t div P, in the order CTAs started): the
+// first `split` local tickets each add x A^T over 256 inputs into the launch's float32 [8, R]
+// buffer (one of two, alternate launches; they clear their share of the other one, whose readers
+// are done), then count themselves done (release); the others compute a group of tiles as without
+// LoRA, load their rows of B (the member's window [rs, rs + LORA)) while they sum, wait until
+// the done count covers every shrink of this launch (acquire) and add the expand before they
+// store. A waiting CTA only waits for CTAs that took their tickets before it (already running).
+// Requirements (checked by the Python side): K % 128 == 0, x rows contiguous, M <= 8; LORA: at
+// least the largest member rank (a member's window [rs_i, rs_i + LORA) is read below R: its
+// columns of other members are zeros on its rows).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -46,6 +58,16 @@ typedef unsigned long long u64;
 #ifndef FT
 #define FT 1
 #endif
+#ifndef LORA
+#define LORA 0
+#endif
+#ifdef MINB  // CTAs a multiprocessor must hold (the LoRA variants: the plain one's occupancy)
+#define BOUNDS __launch_bounds__(NWARPS * 32, MINB)
+#else
+#define BOUNDS __launch_bounds__(NWARPS * 32)
+#endif
+#define LORA_K 256  // inputs a shrink CTA covers (32 lanes x 8)
+#define ACC_ROWS 8  // rows of a LoRA accumulator buffer (the kernel's most rows)
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 
@@ -134,22 +156,24 @@ __device__ __forceinline__ Rows tile_rows(int row0, int g, int t, const U4* w0, 
           scale + (u64)rb * sgroups};
 }
 
+// The bf16 bits of y, rounded to nearest even (infinities and NaN kept).
+__device__ __forceinline__ u32 bf16_bits(float y) {
+  u32 bits = __float_as_uint(y);
+  if ((bits & 0x7F800000u) == 0x7F800000u) return bits >> 16;
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+
 // Lane (g, t)'s four sums of a tile at row0 (the mma.m16n8k16 accumulator layout) times colscale,
-// as bf16 (round to nearest even) into out[m, n] for the M valid rows and N valid features.
-__device__ __forceinline__ void store_tile(const float (&c)[4], int row0, int g, int t, int M,
-                                           int N, const float* __restrict__ colscale,
+// plus add (the LoRA's), as bf16 into out[m, n] for the M valid rows and N valid features.
+__device__ __forceinline__ void store_tile(const float (&c)[4], const float (&add)[4], int row0,
+                                           int g, int t, int M, int N,
+                                           const float* __restrict__ colscale,
                                            u16* __restrict__ out, int ldo) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int m = 2 * t + (i & 1);
     const int n = row0 + g + ((i & 2) ? 8 : 0);
-    if (m < M && n < N) {
-      const float y = c[i] * colscale[n];
-      u32 bits = __float_as_uint(y);
-      bits += 0x7FFFu + ((bits >> 16) & 1u);
-      if ((__float_as_uint(y) & 0x7F800000u) == 0x7F800000u) bits = __float_as_uint(y);
-      out[(u64)m * ldo + n] = (u16)(bits >> 16);
-    }
+    if (m < M && n < N) out[(u64)m * ldo + n] = (u16)bf16_bits(c[i] * colscale[n] + add[i]);
   }
 }
 
@@ -187,8 +211,106 @@ __device__ __forceinline__ void mma_step(float (&c0)[4], float (&c1)[4], const u
 #define MROWS 1
 #endif
 #define XR ((MROWS + 1) / 2)  // 16-byte activation chunks a lane loads a step (16 lanes a row)
-static_assert(NWARPS * UNR * MROWS * 16 * 16 + NWARPS * 32 * 16 * FT <= 48 * 1024,
+static_assert(NWARPS * UNR * MROWS * 16 * 16 + NWARPS * 32 * 16 * FT + LORA * FT * 32 <= 48 * 1024,
               "shared memory");
+static_assert(LORA % 8 == 0 && LORA <= 128, "LORA: a multiple of 8 up to 128");
+
+__device__ __forceinline__ u64 load_acquire(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// 8 bf16 (a 16-byte chunk) as float32.
+__device__ __forceinline__ void bf16x8(U4 v, float (&f)[8]) {
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    f[2 * j] = __uint_as_float(w[j] << 16);
+    f[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+  }
+}
+
+// A shrink CTA: clears its share of the other buffer (after the wait: the launch before, which
+// read it, is done even when it is this GEMV's own, launched just before with PDL), then adds
+// x[m, k] A[r, k] over its 256 inputs k (lane: 8 of them) for every rank r (warps take every
+// NWARPS-th) into the launch's buffer cur [8, R] and counts itself done (release).
+__device__ void lora_shrink(int slice, int split, const U4* x, int M, int K,
+                            const U4* __restrict__ la, float* cur, float* other, int R,
+                            u64* done) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kc = slice * (LORA_K / 8) + lane;  // this lane's 16-byte chunk of a row
+  const bool kin = kc < (K >> 3);
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is written; the launch before is done
+  const int share = (ACC_ROWS * R + split - 1) / split;
+  for (int i = threadIdx.x; i < share && slice * share + i < ACC_ROWS * R; i += NWARPS * 32)
+    other[slice * share + i] = 0.f;
+  float xv[MROWS][8];
+#pragma unroll
+  for (int m = 0; m < MROWS; ++m) {
+    U4 v = U4{0u, 0u, 0u, 0u};
+    if (m < M && kin) v = load_coherent(x + (u64)m * (K >> 3) + kc);
+    bf16x8(v, xv[m]);
+  }
+  asm volatile("griddepcontrol.launch_dependents;");
+  for (int r0 = warp; r0 < R; r0 += 4 * NWARPS) {
+    U4 a[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {  // four ranks' loads in flight
+      const int r = r0 + u * NWARPS;
+      a[u] = U4{0u, 0u, 0u, 0u};
+      if (r < R && kin) a[u] = la[(u64)r * (K >> 3) + kc];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      float av[8];
+      bf16x8(a[u], av);
+#pragma unroll
+      for (int m = 0; m < MROWS; ++m) {
+        float p = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) p = fmaf(av[j], xv[m][j], p);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xFFFFFFFFu, p, o);
+        if (lane == 0 && m < M && r0 + u * NWARPS < R) atomicAdd(cur + m * R + r0 + u * NWARPS, p);
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(done, 1ull);
+}
+
+// The LoRA terms of a group of tiles, one (feature, row) a thread: row m of the launch's buffer
+// buf (rounded to bf16, as the two-GEMM path rounds its shrink) at the feature's member's ranks
+// [rs, rs + LORA) (those below R) times the feature's row of B staged in bs, into ladd[f][m].
+__device__ __forceinline__ void lora_expand(const float* buf, int R, int row0, int M, int N,
+                                            int end0, int end1, int rs0, int rs1, int rs2,
+                                            const U4 (*bs)[LORA / 8 + (LORA == 0)],
+                                            float (*ladd)[MROWS]) {
+  for (int i = threadIdx.x; i < FT * 16 * MROWS; i += NWARPS * 32) {
+    const int f = i / MROWS, m = i % MROWS;
+    const int n = min(row0 + f, N - 1);
+    const int rs = n >= end1 ? rs2 : (n >= end0 ? rs1 : rs0);
+    float acc = 0.f;
+    if (m < M) {
+#pragma unroll 2
+      for (int c = 0; c < LORA / 8; ++c) {
+        float b[8];
+        bf16x8(bs[f][c], b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int r = rs + 8 * c + j;
+          float v = 0.f;
+          if (r < R)
+            asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(buf + m * R + r) : "memory");
+          acc = fmaf(__uint_as_float(bf16_bits(v) << 16), b[j], acc);
+        }
+      }
+    }
+    ladd[f][m] = acc;
+  }
+}
 
 struct Step {
   U4 a[FT], b[FT];           // 32 codes of feature g and of feature g + 8 of each tile
@@ -196,14 +318,35 @@ struct Step {
   U4 xr[XR];  // 8 bf16 activations of rows 2 i + lane / 16, at 8 (lane % 16) in the step
 };
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32)
+extern "C" __global__ void BOUNDS
     fp4_gemv(const U4* x, const U4* __restrict__ w0, const u8* __restrict__ s0,
              const U4* __restrict__ w1, const u8* __restrict__ s1, const U4* __restrict__ w2,
              const u8* __restrict__ s2, int end0, int end1, const float* __restrict__ colscale,
-             u16* __restrict__ out, int M, int N, int K, int ldo, int mx_bias) {
+             u16* __restrict__ out, int M, int N, int K, int ldo, int mx_bias,
+             const U4* __restrict__ la, const u16* __restrict__ lb, float* lacc, u64* lcnt,
+             int R, int split, int rs0, int rs1, int rs2) {
   __shared__ U4 xs[NWARPS][UNR][MROWS][16];  // a warp's activations of its UNR steps, f16 pairs
   __shared__ float red[NWARPS][32][FT][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#if LORA
+  __shared__ U4 bs[FT * 16][LORA / 8];  // the tiles' rows of B in their member's rank window
+  __shared__ float ladd[FT * 16][MROWS];  // their LoRA terms
+  __shared__ u64 ticket_s;
+  if (threadIdx.x == 0) ticket_s = atomicAdd(lcnt, 1ull);
+  __syncthreads();
+  const int ngroups = (N + 16 * FT - 1) / (16 * FT);
+  const u64 launch = ticket_s / (u64)(split + ngroups);
+  const int lt = (int)(ticket_s - launch * (u64)(split + ngroups));  // the ticket in this launch
+  float* lbuf = lacc + (launch & 1) * ACC_ROWS * R;  // this launch's buffer
+  if (lt < split) {
+    lora_shrink(lt, split, x, M, K, la, lbuf, lacc + (1 - (launch & 1)) * ACC_ROWS * R, R,
+                lcnt + 1);
+    return;
+  }
+  const int tile_first = lt - split, tile_step = ngroups;  // one group of tiles
+#else
+  const int tile_first = blockIdx.x, tile_step = gridDim.x;
+#endif
   const int g = lane >> 2, t = lane & 3;
   const int chunks = K >> 5;  // 16-byte chunks a feature
   const int steps = K >> 7;
@@ -215,8 +358,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 #endif
   // Persistent over groups of FT tiles of 16 features (a grid smaller than the groups leaves room
   // beside it).
-  for (int tile = blockIdx.x, first_tile = 1; tile * 16 * FT < N;
-       tile += gridDim.x, first_tile = 0) {
+  for (int tile = tile_first, first_tile = 1; tile * 16 * FT < N;
+       tile += tile_step, first_tile = 0) {
     const int row0 = tile * 16 * FT;
     Rows rows[FT];
 #pragma unroll
@@ -319,18 +462,41 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
     for (int f = 0; f < FT; ++f)
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][lane][f][i] = c[f][0][i] + c[f][1][i];
+#if LORA
+    // the tiles' rows of B (their member's rank window), staged while the shrink CTAs finish
+    for (int i = threadIdx.x; i < FT * 16 * LORA; i += NWARPS * 32) {
+      const int n = min(row0 + i / LORA, N - 1);
+      const int r = (n >= end1 ? rs2 : (n >= end0 ? rs1 : rs0)) + i % LORA;
+      reinterpret_cast<u16*>(bs)[i] = r < R ? lb[(u64)n * R + r] : (u16)0;
+    }
+    if (threadIdx.x == 0) {  // every shrink of this launch (and of the earlier ones) is done
+      const u64 want = (launch + 1) * (u64)split;
+      while (load_acquire(lcnt + 1) < want) {
+      }
+      __threadfence();  // then the barrier: the CTA's reads of the buffer come after (as grid.sync)
+    }
+    __syncthreads();
+    lora_expand(lbuf, R, row0, M, N, end0, end1, rs0, rs1, rs2, bs, ladd);
+#endif
     __syncthreads();
     if (warp == 0) {
 #pragma unroll
       for (int f = 0; f < FT; ++f) {
-        float y4[4];
+        float y4[4], add[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < 4; ++i) y4[i] = red[0][lane][f][i];
 #pragma unroll
         for (int v = 1; v < NWARPS; ++v)
 #pragma unroll
           for (int i = 0; i < 4; ++i) y4[i] += red[v][lane][f][i];
-        store_tile(y4, row0 + 16 * f, g, t, M, N, colscale, out, ldo);
+#if LORA
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = 2 * t + (i & 1);
+          if (m < M) add[i] = ladd[16 * f + g + ((i & 2) ? 8 : 0)][m];
+        }
+#endif
+        store_tile(y4, add, row0 + 16 * f, g, t, M, N, colscale, out, ldo);
       }
     }
     __syncthreads();  // red is rewritten by the next tile

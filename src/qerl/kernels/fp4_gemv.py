@@ -12,6 +12,9 @@ described in the ``.cu`` file).
 GEMM whose output columns are theirs side by side, reading the stored tensors in place (no copy:
 no memory beyond a per-column factor), and applies ``1 / weight_global_scale`` per output column
 itself, so its output is the finished ``x @ W^T`` (no ``col_scale`` for the consumer).
+With a :class:`qerl.kernels.fp4_gemv_lora.GemvLora`, the group's LoRA runs in the same launch (``y += (x A^T) B^T``, the
+shrink rounded to bf16 as the two-GEMM path rounds it): a few CTAs compute the shrink first and
+the tiles add the expand before they store, so decode pays no launch of its own for it.
 The kernel compiles with NVRTC on first use, once per process and variant (``cuda-bindings``
 comes with the ``.[gpu]`` extra, which humming-kernels needs too; CUDA builds of torch bring the
 NVRTC library). CPU installs never compile it; :func:`supports` says where it runs.
@@ -137,13 +140,16 @@ class Fp4Gemv:
         return self.column_factor.numel() * self.column_factor.element_size()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                 pdl: bool = False, sms: int | None = None) -> torch.Tensor:
+                 pdl: bool = False, sms: int | None = None,
+                 lora: tuple | None = None) -> torch.Tensor:
         """``x [M, K]`` (contiguous bf16) -> ``[M, N]`` bf16 (into ``out`` when given: rows of
         stride ``out.stride(0)``, contiguous columns); ``pdl``: launched so that it may start
         while the kernel before it runs (it loads its first weights, then waits); ``sms``: at
         most as many CTAs as fit on that many multiprocessors at once (each loops over tiles of
         16 features), so that a kernel launched after it finds room beside it; by default one
-        CTA a tile."""
+        CTA a tile. ``lora``: ``(state, a_cat [R, K], b_full [N, R])`` (bf16, contiguous; see
+        :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T) b_full^T`` (``sms`` is then not
+        used: the launch has one CTA a tile group and the shrink's)."""
         m = int(x.shape[0])
         if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k
                 or not 0 < m <= MAX_M or x.device != self.device):
@@ -161,18 +167,24 @@ class Fp4Gemv:
         if sms is not None and sms < 1:
             raise ValueError(f"Fp4Gemv: sms must be a positive number of multiprocessors or "
                              f"None, got {sms}")
-        warps, unr, pipe, ft = _fitting(self.variant, m)
-        key = (warps, unr, pipe, ft, _mrows(m))
+        window = 0 if lora is None else lora[0].check(self, *lora[1:])
+        warps, unr, pipe, ft = _fitting(self.variant, m, window)
+        key = (warps, unr, pipe, ft, _mrows(m), window)
         if key not in self._functions:  # the process-wide lookup once per instance and variant
-            self._functions[key] = _function(self.fmt == "mxfp4", *key, x.device.index or 0,
-                                             warps * 32)
+            self._functions[key] = _function(self.fmt == "mxfp4", *key[:5], x.device.index or 0,
+                                             warps * 32, window)
         fn, per_sm = self._functions[key]
         groups = -(-self.n // (16 * ft))  # what one CTA computes at once
-        _launch(fn, groups if sms is None else min(groups, sms * per_sm), warps * 32, x.device,
-                pdl,
+        if lora is None:
+            grid, extra = groups if sms is None else min(groups, sms * per_sm), _NO_LORA
+        else:
+            grid, extra = groups + lora[0].split, lora[0].args(*lora[1:])
+        _launch(fn, grid, warps * 32, x.device, pdl,
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
-                 out.stride(0), self.mx_bias))
+                 out.stride(0), self.mx_bias, *extra))
         return out
+
+
 
 
 def _checked_variant(variant: Sequence[int]) -> tuple[int, int, int, int]:
@@ -229,7 +241,8 @@ def _check_members(fmt: str, members) -> None:
 
 
 _ARG_TYPES = ((ctypes.c_void_p,) * 7 + (ctypes.c_int,) * 2 + (ctypes.c_void_p,) * 2
-              + (ctypes.c_int,) * 5)
+              + (ctypes.c_int,) * 5 + (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5)
+_NO_LORA = (0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def _check(result, what: str):
@@ -245,26 +258,31 @@ def _mrows(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
-def _fitting(variant: tuple[int, int, int, int], m: int) -> tuple[int, int, int, int]:
+def _fitting(variant: tuple[int, int, int, int], m: int,
+             lora: int = 0) -> tuple[int, int, int, int]:
     """``variant`` with fewer steps in flight where its staged activations (``warps * steps *
-    rows * 256`` bytes) and partial sums (``warps * tiles * 512``) would exceed 48 KiB of shared
-    memory."""
+    rows * 256`` bytes), partial sums (``warps * tiles * 512``) and LoRA rows of ``b_full``
+    (``lora`` ranks: ``tiles * lora * 32``) would exceed 48 KiB of shared memory."""
     warps, unr, pipe, ft = variant
-    while unr > 1 and warps * (unr * _mrows(m) * 256 + 512 * ft) > 48 * 1024:
+    while unr > 1 and (warps * (unr * _mrows(m) * 256 + 512 * ft)
+                       + ft * (lora * 32 + 64 * _mrows(m))) > 48 * 1024:
         unr //= 2
     return warps, unr, pipe, ft
 
 
 @functools.cache
-def _cubin(mx: bool, warps: int, unr: int, pipe: int, ft: int, mrows: int, arch: str) -> bytes:
-    """The kernel compiled by NVRTC for ``arch`` (e.g. ``sm_90``)."""
+def _cubin(mx: bool, warps: int, unr: int, pipe: int, ft: int, mrows: int, arch: str,
+           lora: int = 0, minb: int = 0) -> bytes:
+    """The kernel compiled by NVRTC for ``arch`` (e.g. ``sm_90``); ``lora``: with the LoRA of
+    that rank window; ``minb``: at least that many CTAs a multiprocessor (registers capped)."""
     from cuda.bindings import nvrtc
 
     src = resources.files("qerl.kernels").joinpath("fp4_gemv.cu").read_bytes()
     prog = _check(nvrtc.nvrtcCreateProgram(src, b"fp4_gemv.cu", 0, [], []), "nvrtcCreateProgram")
     opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DMX={int(mx)}".encode(),
             f"-DNWARPS={warps}".encode(), f"-DUNR={unr}".encode(), f"-DPIPE={pipe}".encode(),
-            f"-DFT={ft}".encode(), f"-DMROWS={mrows}".encode()]
+            f"-DFT={ft}".encode(), f"-DMROWS={mrows}".encode(), f"-DLORA={lora}".encode()]
+    opts += [f"-DMINB={minb}".encode()] if minb else []
     status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
     if int(status) != 0:
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
@@ -283,24 +301,28 @@ _FUNCTIONS: dict = {}
 
 
 def _function(mx: bool, warps: int, unr: int, pipe: int, ft: int, mrows: int, device: int,
-              block: int):
+              block: int, lora: int = 0):
     """The loaded kernel for the current CUDA context (compiled once per process and variant)
-    and how many of its CTAs of ``block`` threads one multiprocessor holds at once."""
+    and how many of its CTAs of ``block`` threads one multiprocessor holds at once; ``lora``:
+    the variant with the LoRA of that rank window, held to the plain variant's occupancy."""
     from cuda.bindings import driver
 
     with torch.cuda.device(device):  # torch's primary context, current on this thread
         torch.cuda.init()
         ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        return _loaded(driver, ctx, mx, (warps, unr, pipe, ft, mrows), device, block)
+        variant = (warps, unr, pipe, ft, mrows)
+        minb = _loaded(driver, ctx, mx, variant, device, block)[1] if lora else 0
+        return _loaded(driver, ctx, mx, variant, device, block, lora, minb)
 
 
-def _loaded(driver, ctx, mx: bool, variant: tuple[int, ...], device: int, block: int):
-    key = (int(ctx), mx, *variant)
+def _loaded(driver, ctx, mx: bool, variant: tuple[int, ...], device: int, block: int,
+            lora: int = 0, minb: int = 0):
+    key = (int(ctx), mx, *variant, lora)
     with _LOCK:
         hit = _FUNCTIONS.get(key)
         if hit is None:
             major, minor = torch.cuda.get_device_capability(device)
-            cubin = _cubin(mx, *variant, f"sm_{major}{minor}")
+            cubin = _cubin(mx, *variant, f"sm_{major}{minor}", lora, minb)
             module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
             fn = _check(driver.cuModuleGetFunction(module, b"fp4_gemv"), "cuModuleGetFunction")
             per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0),

@@ -9,6 +9,8 @@ LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` into a static buffe
 the fused kernel (:mod:`qerl.rollout.fast.lora`, up to its rows, on the main stream by default) or
 two cuBLAS GEMMs (on a side stream while the main stream runs the group's base GEMM); the
 consumer kernel adds ``lo`` in its epilogue (one load per element), after the streams join.
+Where the group runs through our FP4 GEMV (one-row waves) and ``st.lora_in_gemv``, its LoRA is
+inside the GEMV's launch instead (:mod:`qerl.kernels.fp4_gemv_lora`): no ``lo`` at all.
 
 ``st.pdl``: the Triton kernels and humming's GEMMs are launched with programmatic dependent
 launch (:mod:`qerl.rollout.fast.pdl`); the embedding, the LM head and sampling are not. With
@@ -74,10 +76,10 @@ def _epilogues(ctx: TorchContext, g: Group, raws: list[torch.Tensor], lo: torch.
 
 
 def _raw(ctx: TorchContext, g: Group, x: torch.Tensor, pdl: bool = False,
-         sms: int | None = None) -> list[torch.Tensor]:
+         sms: int | None = None, lora: tuple | None = None) -> list[torch.Tensor]:
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
     if gemm is not None:
-        return gemm.raw(x, pdl=pdl, sms=sms)
+        return gemm.raw(x, pdl=pdl, sms=sms, lora=lora)
     outs = []  # no CUDA group GEMMs (CPU under the Triton interpreter): dequantized copies
     for m in g.members:
         if m.kind == "dense":
@@ -96,6 +98,8 @@ def _finished(st: State, ctx: TorchContext, kind: str, g: Group, x: torch.Tensor
     fused LoRA launched beside it (on the others; :func:`qerl.rollout.fast.lora.fused_lora`).
     Other GEMMs (cuBLAS) do not let the next kernel start early: the LoRA goes first."""
     gemm = ctx.gemms.get(id(g)) if ctx.gemms else None
+    if st.lora_in_gemv and gemm is not None and gemm.lora_in_gemv(rows):  # one launch for both
+        return _epilogues(ctx, g, _raw(ctx, g, x, st.pdl, lora=(g.a_cat, g.b_full)), None, rows)
     sms = gemm.beside_sms(rows, st.gemm_sms) if gemm is not None else None
     if sms is not None:
         raws = _raw(ctx, g, x, st.pdl, sms)

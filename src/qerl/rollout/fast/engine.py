@@ -8,11 +8,11 @@ epilogue), the group GEMMs (humming: q/k/v and gate/up each one GEMM), cuBLAS fo
 and the LM head, and sampling. ``torch`` (any device, no graphs): the same computation in plain
 torch; the CPU tests run it against transformers.
 
-LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): shrink and expand
-in one launch (:mod:`qerl.rollout.fast.lora`; two cuBLAS GEMMs on a side stream above its rows),
-added by the consumer kernel in its epilogue. Adapter weights are copied at the start of every
-``generate``; norm weights are read live, so AQN noise applied in place is seen by captured
-graphs; replaced tensors rebuild the plan.
+LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): inside the FP4
+GEMV's launch at one row, else shrink and expand in one launch (:mod:`qerl.rollout.fast.lora`; two
+cuBLAS GEMMs on a side stream above its rows) added by the consumer kernel in its epilogue.
+Adapter weights are copied at the start of every ``generate``; norm weights are read live, so AQN
+noise applied in place is seen by captured graphs; replaced tensors rebuild the plan.
 
 Waves: when the KV cache of all rows does not fit the memory budget (``kv_budget_gib``, else
 ``kv_budget_fraction`` of the free device memory), rows run in waves of equal size (the last
@@ -62,10 +62,11 @@ class FastEngine:
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
         lora_overlap: LoRA on a side stream (CUDA); ``None``: only the cuBLAS pair (the side
             stream never overlapped humming's GEMMs; the fused kernel is faster without it).
-        lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
-            :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
-            most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
-            ``"cublas"``: two cuBLAS GEMMs a group always.
+        lora_kernel: ``"fused"``: a group's LoRA in decode inside its FP4 GEMV's launch where
+            the GEMV runs it (:mod:`qerl.kernels.fp4_gemv_lora`), else as one launch of
+            :func:`qerl.rollout.fast.lora.fused_lora` where that applies (the ``triton`` backend,
+            at most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
+            ``"standalone"``: that launch beside the GEMV too; ``"cublas"``: two cuBLAS GEMMs.
         fused_lora_max_rows: the most rows of a wave for the fused LoRA (1 to ``lora.MAX_ROWS``).
         humming_layout: humming's copy of NVFP4 (:mod:`qerl.kernels.humming_gemm`): ``"ct"``
             (E4M3 group scales, as stored) or ``"bf16_scales"`` (bf16 ones; 3-4 % faster).
@@ -93,7 +94,7 @@ class FastEngine:
             at 7B B=1).
         gemv_max_m: decode waves of at most this many rows (0: off; up to 8; measured at 1) run
             4-bit GEMMs through our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`, reading the weights in
-            place; not with ``single_copy``), the LoRA beside it (7B B=1, H100: 2.91 -> 2.74 ms).
+            place; not with ``single_copy``; 7B B=1, H100: 2.91 -> 2.74 ms a step).
     """
 
     name = "fast"
@@ -107,7 +108,7 @@ class FastEngine:
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
                  lora_sms: int = 8, lora_end_wait: str = "one", gemv_max_m: int = 1) -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
-        choice("lora_kernel", lora_kernel, ("fused", "cublas"))
+        choice("lora_kernel", lora_kernel, ("fused", "standalone", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
         int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
         int_in("attention_splits", 64 if attention_splits is None else attention_splits, 64)
@@ -123,8 +124,8 @@ class FastEngine:
         self.check_every, self.cache_multiple = max(1, int(check_every)), max(1, int(cache_multiple))
         self.kv_budget_gib, self.kv_budget_fraction = kv_budget_gib, kv_budget_fraction
         self.lora_overlap, self.keep_state, self.single_copy = lora_overlap, keep_state, single_copy
-        self.attention_splits, self.lora_kernel = attention_splits, lora_kernel
-        self.fused_lora_max_rows, self.humming_layout = fused_lora_max_rows, humming_layout
+        self.attention_splits, self.lora_kernel, self.fused_lora_max_rows, self.humming_layout = (
+            attention_splits, lora_kernel, fused_lora_max_rows, humming_layout)
         self.pdl, self.lora_sms, self.lora_end_wait, self.gemv_max_m = (pdl, lora_sms,
                                                                          lora_end_wait, gemv_max_m)
         self._parking = HostParking()
@@ -141,10 +142,8 @@ class FastEngine:
     def _backend_for(self, plan: Plan) -> str:
         if self.backend != "auto":
             return self.backend
-        if plan.device.type == "cuda" and HAS_TRITON \
-                and plan.dtype in (torch.bfloat16, torch.float16):
-            return "triton"
-        return "torch"
+        cuda_half = plan.device.type == "cuda" and plan.dtype in (torch.bfloat16, torch.float16)
+        return "triton" if cuda_half and HAS_TRITON else "torch"
 
     def _get_plan(self, model: nn.Module) -> Plan:
         """The cached plan if nothing it references changed (same tensors, same adapters)."""
@@ -245,9 +244,9 @@ class FastEngine:
         done = torch.cat([p[4] for p in parts])
         if not sp.eos_token_ids:
             done.zero_()
-        humming = sum(gm.humming is not None for gm in gemms.values()) if gemms else 0
-        layouts = sorted({gm.humming.layout for gm in gemms.values() if gm.humming is not None}
-                         if gemms else ())
+        gms = list((gemms or {}).values())
+        humming = sum(gm.humming is not None for gm in gms)
+        layouts = sorted({gm.humming.layout for gm in gms if gm.humming is not None})
         self.last_stats = {"backend": backend, "fp4_backend": self._gemm_backend,
                            "humming_groups": humming, "humming_layouts": layouts,
                            "parked_gib": self._parking.nbytes() / GiB, "rows": N,
@@ -257,8 +256,8 @@ class FastEngine:
                            else ("cublas" if st.lora_out else "none"),
                            "lora_stream": "side" if st.side is not None else "main",
                            "pdl": st.pdl, "gemm_sms": st.gemm_sms,
-                           "gemv_groups": sum(gm.uses_gemv(W) for gm in gemms.values())
-                           if gemms else 0}
+                           "gemv_groups": sum(gm.uses_gemv(W) for gm in gms),
+                           "lora_in_gemv": sum(st.lora_in_gemv and gm.lora_in_gemv(W) for gm in gms)}
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids for _ in range(n)],
             completion_ids=cat[0], completion_mask=cat[1], logprobs=cat[2], truncated=~done,
@@ -342,7 +341,7 @@ class FastEngine:
         self._state = None
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
-        fused = (self.lora_kernel == "fused" and backend == "triton"
+        fused = (self.lora_kernel != "cublas" and backend == "triton"
                  and rows <= self.fused_lora_max_rows
                  and any(g.r_total for g in plan.groups()) and fused_lora_ok(plan.device, plan.dtype))
         st = new_state(plan, key, rows, cap, T, mode, None, self.attention_splits, fused)
@@ -351,7 +350,7 @@ class FastEngine:
         st.side = self._stream(plan.device, "lora") if overlap else None
         st.pdl = pdl
         st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
-        st.lora_end_wait = self.lora_end_wait
+        st.lora_end_wait, st.lora_in_gemv = self.lora_end_wait, self.lora_kernel == "fused"
         self._state = st
         return st
 

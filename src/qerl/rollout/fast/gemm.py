@@ -39,7 +39,7 @@ class GroupGemm:
         self.dtype = dtype
         self.humming_only = humming_only  # every row count through humming (the source may be parked)
         self.humming = None
-        self.gemv, self.gemv_max_m = None, gemv_max_m
+        self.gemv, self.gemv_max_m, self._gemv_lora = None, gemv_max_m, None
         if gemv_max_m and backend == "humming" and group.all_fp4 and not humming_only:
             from qerl.kernels import fp4_gemv
 
@@ -76,6 +76,15 @@ class GroupGemm:
     def uses_gemv(self, rows: int) -> bool:
         return self.gemv is not None and 0 < rows <= self.gemv_max_m
 
+    def lora_in_gemv(self, rows: int) -> bool:
+        """Whether the group's LoRA can run inside its GEMV launch at ``rows``
+        (:mod:`qerl.kernels.fp4_gemv_lora`: the GEMV runs them, ranks multiples of 8)."""
+        if not (self.group.r_total and self.uses_gemv(rows)):
+            return False
+        from qerl.kernels.fp4_gemv_lora import lora_fits
+
+        return lora_fits([m.lora_r for m in self.group.members])
+
     def uses_humming(self, rows: int) -> bool:
         return (self.humming is not None and 0 < rows and not self.uses_gemv(rows)
                 and (self.humming_only or rows <= humming_max_m()))
@@ -101,12 +110,23 @@ class GroupGemm:
             row += m.out_f
         return w
 
-    def raw(self, x: torch.Tensor, pdl: bool = False, sms: int | None = None) -> list[torch.Tensor]:
+    def raw(self, x: torch.Tensor, pdl: bool = False, sms: int | None = None,
+            lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """``x [M, K]`` -> the members' raw outputs ``[M, N_i]`` (views of one buffer when the
         group runs as one GEMM); ``pdl`` / ``sms``: humming's GEMM with programmatic dependent
-        launch / on at most ``sms`` multiprocessors (:meth:`HummingFp4.tuning_for`)."""
+        launch / on at most ``sms`` multiprocessors (:meth:`HummingFp4.tuning_for`); ``lora``:
+        ``(a_cat, b_full)``, added inside the GEMV launch (only where :meth:`lora_in_gemv`)."""
         g, rows, y = self.group, x.shape[0], None
-        if self.uses_gemv(rows):
+        if lora is not None:
+            if not self.lora_in_gemv(rows):
+                raise ValueError(f"GroupGemm: the LoRA of {g.members[0].name} cannot run inside "
+                                 f"its GEMV at {rows} rows")
+            if self._gemv_lora is None:  # the launches' counters and buffers, once
+                from qerl.kernels.fp4_gemv_lora import GemvLora
+
+                self._gemv_lora = GemvLora(self.gemv, [m.lora_r for m in g.members])
+            y = self.gemv(x, pdl=pdl, lora=(self._gemv_lora, *lora))
+        elif self.uses_gemv(rows):
             y = self.gemv(x, pdl=pdl, sms=sms)
         elif self.uses_humming(rows):
             y = self.humming(x if x.is_contiguous() else x.contiguous(), pdl=pdl, sms=sms)

@@ -48,6 +48,7 @@ class State:
     pdl: bool = False  # decode kernels with programmatic dependent launch (pdl.pdl_supported)
     gemm_sms: int | None = None  # humming's multiprocessors when the fused LoRA runs beside it
     lora_end_wait: str = "one"  # beside the GEMM: which LoRA programs wait at their end
+    lora_in_gemv: bool = False  # a group's LoRA inside its FP4 GEMV launch where it runs one
     side: torch.cuda.Stream | None = None
     graph: object = None
 
