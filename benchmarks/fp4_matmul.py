@@ -156,6 +156,13 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
         pdl = "pdl" in method.split("_")
         sms = [int(t[3:]) for t in method.split("_") if t.startswith("sms")]
         kw = {"sms": sms[0]} if sms else {}
+        rank = [int(t[4:]) for t in method.split("_") if t.startswith("lora")]
+        if rank:  # the LoRA inside the launch: a state and adapters a copy
+            from qerl.kernels.fp4_gemv_lora import GemvLora
+
+            kw = [{"lora": (GemvLora(g, rank), torch.randn(rank[0], k, device="cuda").bfloat16(),
+                            torch.randn(n, rank[0], device="cuda").bfloat16())} for g in gs]
+            return [lambda g=g, a=a: g(x, pdl=pdl, **a) for g, a in zip(gs, kw, strict=True)], nb
         return [lambda g=g: g(x, pdl=pdl, **kw) for g in gs], nb
     if method.startswith("dequant_cublas"):
         w = dequant.scratch(x.device, torch.bfloat16, n, k)
@@ -176,7 +183,7 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
 FP4 = "(nvfp4|mxfp4)"
 METHOD = re.compile(rf"cublas_bf16|dequant_cublas_{FP4}|legacy_triton_{FP4}"
                     rf"|humming(_bf16s)?(_sms\d+)?(_pdl)?_{FP4}"
-                    rf"|gemv(\d+x\d+p[01](t[12])?)?(_sms\d+)?(_pdl)?_{FP4}")
+                    rf"|gemv(\d+x\d+p[01](t[12])?)?(_sms\d+)?(_pdl)?(_lora\d+)?_{FP4}")
 GEMV_VARIANT = re.compile(r"gemv(\d+)x(\d+)p([01])(?:t([12]))?")
 
 
@@ -186,7 +193,7 @@ def check_methods(methods: list[str]) -> None:
         if not METHOD.fullmatch(m):
             raise ValueError(f"unknown method {m!r}: known are cublas_bf16, "
                              "humming[_bf16s][_smsN][_pdl]_<fmt>, "
-                             "gemv[<W>x<U>p<0|1>[t<1|2>]][_smsN][_pdl]_<fmt>, "
+                             "gemv[<W>x<U>p<0|1>[t<1|2>]][_smsN][_pdl][_loraR]_<fmt>, "
                              "dequant_cublas_<fmt>, legacy_triton_<fmt> (fmt: nvfp4 or mxfp4)")
 
 
@@ -207,7 +214,7 @@ def _gemm(method: str, fmt: str, t: dict):
     (humming's ``ct`` or ``bf16_scales`` copy, tuned configs where the file has them),
     ``gemv[WxUpP[tT]][_pdl]_<fmt>`` (our FP4 GEMV, :mod:`qerl.kernels.fp4_gemv`, with W warps
     a CTA, U steps a batch, pipelined P = 0 / 1, T tiles a CTA; its default for the shape without
-    ``WxUpP``)."""
+    ``WxUpP``; ``_loraR``: with a rank-R LoRA inside its launch)."""
     member = [(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"))]
     head = method.split("_")[0]
     if head == "humming":

@@ -24,7 +24,8 @@ def test_rollout_throughput_refuses_unknown_names(args, msg) -> None:
 
 
 @pytest.mark.parametrize("method", ["gemvt2_pdl_nvfp4", "gemv4t1t0t2_nvfp4", "gemv4x1p2_nvfp4",
-                                    "humming_nvfp5", "cublas_fp8"])
+                                    "humming_nvfp5", "cublas_fp8", "gemv_lora_nvfp4",
+                                    "humming_pdl_lora32_nvfp4"])
 def test_fp4_matmul_refuses_unknown_methods(method) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp4_matmul.py"),
                            "--methods", f"cublas_bf16,{method}"],
@@ -42,5 +43,7 @@ def test_fp4_matmul_gemv_variant_names() -> None:
     assert fp4_matmul.gemv_variant("gemv4x1p0t2_pdl_nvfp4") == (4, 1, 0, 2)
     assert fp4_matmul.gemv_variant("gemv8x2p1_sms124_pdl_mxfp4") == (8, 2, 1, 1)
     assert fp4_matmul.gemv_variant("gemv_sms124_pdl_nvfp4") is None
+    assert fp4_matmul.gemv_variant("gemv8x2p0_pdl_lora96_nvfp4") == (8, 2, 0, 1)
     fp4_matmul.check_methods(["cublas_bf16", "humming_bf16s_pdl_nvfp4", "gemv16x2p0_pdl_nvfp4",
-                              "gemv_pdl_mxfp4", "dequant_cublas_nvfp4", "legacy_triton_nvfp4"])
+                              "gemv_pdl_mxfp4", "dequant_cublas_nvfp4", "legacy_triton_nvfp4",
+                              "gemv_pdl_lora32_nvfp4"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qerl.kernels.fp4_gemv import Fp4Gemv
-from qerl.kernels.fp4_gemv_lora import LORA_K, MAX_LORA_RANK, GemvLora, lora_fits
+from qerl.kernels.fp4_gemv_lora import MAX_LORA_RANK, GemvLora, lora_fits, shrink_ctas
 
 from .test_fp4_gemv import TOL, _gpu_ok, _members, _quant, _ref, _rel
 
@@ -43,12 +43,18 @@ def test_which_ranks_fit() -> None:
     assert not lora_fits([8, -8])
 
 
+def test_shrink_ctas_cover_every_slice_and_rank_block() -> None:
+    assert shrink_ctas(3584, 96, 8) == 28  # 7B q/k/v at r = 32: 28 slices, 128 ranks a block
+    assert shrink_ctas(3584, 96, 4) == 56  # 4 warps: 64 ranks a block
+    assert shrink_ctas(1280, 200, 8) == 20 and shrink_ctas(128, 1, 1) == 1
+
+
 def test_state_windows_and_buffers() -> None:
     ts = [_quant(64, 512, "nvfp4"), _quant(32, 512, "nvfp4"), _quant(32, 512, "nvfp4")]
     g = Fp4Gemv("nvfp4", [m for t in ts for m in _members(t)])
     st = GemvLora(g, [12, 4, 4])
     assert (st.r_total, st.window, st.starts) == (20, 16, [0, 12, 16])
-    assert st.split == -(-512 // LORA_K) == 2
+    assert g.variant[0] == 8 and st.split == shrink_ctas(512, 20, 8) == 4  # 4 slices, 1 block
     assert st.acc.shape == (2 * 8 * 20,) and not st.acc.any()  # two [MAX_M, R] buffers, zeros
     assert st.counters.tolist() == [0, 0]
     two = GemvLora(Fp4Gemv("nvfp4", _members(ts[0]) + _members(ts[1])), [0, 8])
@@ -57,7 +63,7 @@ def test_state_windows_and_buffers() -> None:
     assert st.check(g, a, b) == 16
     args = st.args(a, b)
     assert args[:4] == (a.data_ptr(), b.data_ptr(), st.acc.data_ptr(), st.counters.data_ptr())
-    assert args[4:] == (20, 2, 0, 12, 16)
+    assert args[4:] == (20, 4, 0, 12, 16)
 
 
 def test_bad_state_and_tensors_raise_naming_them() -> None:
@@ -104,7 +110,7 @@ def test_lora_inside_the_launch_against_float32(fmt: str, ranks: list[int], vari
     """q/k/v-like members (the last not a whole tile), launches of 1, 3, 8, 1 rows on the same
     state: each equals the base GEMM plus the two-GEMM LoRA; after them the counters hold every
     ticket and every shrink, and the buffer the next launch adds into is zeros."""
-    k, sizes = 1280, [512, 128, 120]  # K: five shrink slices, the last one half
+    k, sizes = 1280, [512, 128, 120]  # 10 slices; 4 warps and rank 96: two rank blocks
     ts = [_quant(n, k, fmt, device="cuda") for n in sizes]
     g = Fp4Gemv(fmt, [m for t in ts for m in _members(t)], variant=variant)
     a, b = _adapters(sizes, ranks, k, device="cuda")

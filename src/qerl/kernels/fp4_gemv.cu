@@ -28,9 +28,10 @@
 // launch, y += round_bf16(x A^T) B^T (A = a_cat [R, K], B = b_full [N, R] block diagonal, bf16).
 // Every CTA takes a ticket from a 64-bit counter that only grows (a launch has split + groups
 // CTAs, so ticket t is local ticket t mod P of launch t div P, in the order CTAs started): the
-// first `split` local tickets each add x A^T over 256 inputs into the launch's float32 [8, R]
-// buffer (one of two, alternate launches; they clear their share of the other one, whose readers
-// are done), then count themselves done (release); the others compute a group of tiles as without
+// first `split` local tickets each add x A^T over 128 inputs and up to LORA_RB ranks into the
+// launch's float32 [8, R] buffer (one of two, alternate launches; they clear their share of the
+// other one, whose readers are done), then count themselves done (release); the others compute
+// a group of tiles as without
 // LoRA, load their rows of B (the member's window [rs, rs + LORA)) while they sum, wait until
 // the done count covers every shrink of this launch (acquire) and add the expand before they
 // store. A waiting CTA only waits for CTAs that took their tickets before it (already running).
@@ -66,7 +67,7 @@ typedef unsigned long long u64;
 #else
 #define BOUNDS __launch_bounds__(NWARPS * 32)
 #endif
-#define LORA_K 256  // inputs a shrink CTA covers (32 lanes x 8)
+#define LORA_RB (NWARPS * 16)  // ranks a shrink CTA covers (8 a thread, 16 threads a rank)
 #define ACC_ROWS 8  // rows of a LoRA accumulator buffer (the kernel's most rows)
 
 struct __align__(16) U4 { u32 x, y, z, w; };
@@ -231,49 +232,49 @@ __device__ __forceinline__ void bf16x8(U4 v, float (&f)[8]) {
   }
 }
 
-// A shrink CTA: clears its share of the other buffer (after the wait: the launch before, which
-// read it, is done even when it is this GEMV's own, launched just before with PDL), then adds
-// x[m, k] A[r, k] over its 256 inputs k (lane: 8 of them) for every rank r (warps take every
-// NWARPS-th) into the launch's buffer cur [8, R] and counts itself done (release).
-__device__ void lora_shrink(int slice, int split, const U4* x, int M, int K,
+// A shrink CTA: x[m, k] A[r, k] over one 128-input slice of K for one block of LORA_RB ranks
+// (a thread: 8 inputs of 8 ranks, loaded before the wait, as the tiles load their weights), added
+// into the launch's buffer cur [8, R]; it also clears its share of the other buffer (after the
+// wait: the launch before, which read it, is done even when it is this GEMV's own, launched just
+// before with PDL), then counts itself done (release).
+__device__ void lora_shrink(int item, int split, const U4* x, int M, int K,
                             const U4* __restrict__ la, float* cur, float* other, int R,
                             u64* done) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int kc = slice * (LORA_K / 8) + lane;  // this lane's 16-byte chunk of a row
-  const bool kin = kc < (K >> 3);
+  const int blocks = (R + LORA_RB - 1) / LORA_RB;
+  const int slice = item / blocks, r0 = (item % blocks) * LORA_RB + (threadIdx.x >> 4);
+  const int kc = slice * 16 + (threadIdx.x & 15);  // this thread's 16-byte chunk of a row
+  U4 a[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int r = r0 + j * (NWARPS * 2);
+    a[j] = U4{0u, 0u, 0u, 0u};
+    if (r < R) a[j] = la[(u64)r * (K >> 3) + kc];
+  }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is written; the launch before is done
   const int share = (ACC_ROWS * R + split - 1) / split;
-  for (int i = threadIdx.x; i < share && slice * share + i < ACC_ROWS * R; i += NWARPS * 32)
-    other[slice * share + i] = 0.f;
+  for (int i = threadIdx.x; i < share && item * share + i < ACC_ROWS * R; i += NWARPS * 32)
+    other[item * share + i] = 0.f;
   float xv[MROWS][8];
 #pragma unroll
   for (int m = 0; m < MROWS; ++m) {
     U4 v = U4{0u, 0u, 0u, 0u};
-    if (m < M && kin) v = load_coherent(x + (u64)m * (K >> 3) + kc);
+    if (m < M) v = load_coherent(x + (u64)m * (K >> 3) + kc);
     bf16x8(v, xv[m]);
   }
   asm volatile("griddepcontrol.launch_dependents;");
-  for (int r0 = warp; r0 < R; r0 += 4 * NWARPS) {
-    U4 a[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {  // four ranks' loads in flight
-      const int r = r0 + u * NWARPS;
-      a[u] = U4{0u, 0u, 0u, 0u};
-      if (r < R && kin) a[u] = la[(u64)r * (K >> 3) + kc];
-    }
+  for (int j = 0; j < 8; ++j) {
+    float av[8];
+    bf16x8(a[j], av);
+    const int r = r0 + j * (NWARPS * 2);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      float av[8];
-      bf16x8(a[u], av);
+    for (int m = 0; m < MROWS; ++m) {
+      float p = 0.f;
 #pragma unroll
-      for (int m = 0; m < MROWS; ++m) {
-        float p = 0.f;
+      for (int q = 0; q < 8; ++q) p = fmaf(av[q], xv[m][q], p);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) p = fmaf(av[j], xv[m][j], p);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xFFFFFFFFu, p, o);
-        if (lane == 0 && m < M && r0 + u * NWARPS < R) atomicAdd(cur + m * R + r0 + u * NWARPS, p);
-      }
+      for (int o = 8; o > 0; o >>= 1) p += __shfl_xor_sync(0xFFFFFFFFu, p, o);  // 16 threads a row
+      if ((threadIdx.x & 15) == 0 && m < M && r < R) atomicAdd(cur + m * R + r, p);
     }
   }
   __threadfence();
@@ -471,8 +472,7 @@ extern "C" __global__ void BOUNDS
     }
     if (threadIdx.x == 0) {  // every shrink of this launch (and of the earlier ones) is done
       const u64 want = (launch + 1) * (u64)split;
-      while (load_acquire(lcnt + 1) < want) {
-      }
+      while (load_acquire(lcnt + 1) < want) __nanosleep(100);  // few polls at the counter's L2
       __threadfence();  // then the barrier: the CTA's reads of the buffer come after (as grid.sync)
     }
     __syncthreads();

@@ -15,9 +15,9 @@ import torch
 
 from qerl.kernels.fp4_gemv import MAX_M, Fp4Gemv
 
-__all__ = ["LORA_K", "MAX_LORA_RANK", "GemvLora", "lora_fits"]
+__all__ = ["MAX_LORA_RANK", "SHRINK_K", "GemvLora", "lora_fits", "shrink_ctas"]
 
-LORA_K = 256  # inputs a shrink CTA covers (the .cu file's LORA_K)
+SHRINK_K = 128  # inputs a shrink CTA covers (one step of the GEMV's warps)
 MAX_LORA_RANK = 128  # the largest rank of a member (the .cu file's LORA window)
 
 
@@ -25,6 +25,13 @@ def lora_fits(ranks: Sequence[int]) -> bool:
     """Whether :class:`GemvLora` takes members of these LoRA ranks (0: a member without
     adapters): none above :data:`MAX_LORA_RANK`, at least one not 0."""
     return any(ranks) and all(r >= 0 for r in ranks) and max(ranks) <= MAX_LORA_RANK
+
+
+def shrink_ctas(k: int, r_total: int, warps: int) -> int:
+    """The shrink CTAs of a launch: one a 128-input slice of K and block of ``warps * 16`` ranks
+    (the ``.cu`` file's LORA_RB: a thread loads 8 inputs of 8 ranks before the kernel waits for
+    the one before it)."""
+    return -(-k // SHRINK_K) * -(-r_total // (warps * 16))
 
 
 class GemvLora:
@@ -50,7 +57,7 @@ class GemvLora:
         self.window = -(-max(ranks) // 8) * 8  # the kernel's LORA: ranks read a member's row
         starts = [sum(ranks[:i]) for i in range(len(ranks))]  # of b_full: its rank slice first
         self.starts = starts + starts[-1:] * (3 - len(starts))
-        self.split = -(-gemv.k // LORA_K)
+        self.split = shrink_ctas(gemv.k, self.r_total, gemv.variant[0])
         self.acc = torch.zeros(2 * MAX_M * self.r_total, device=gemv.device)
         self.counters = torch.zeros(2, dtype=torch.int64, device=gemv.device)
         self._gemv = gemv
