@@ -26,15 +26,16 @@
 // one load of the activations, which every CTA reads from L2).
 // LORA (0: off; else the rank window, a multiple of 8 up to 128): the group's LoRA in the same
 // launch, y += round_bf16(x A^T) B^T (A = a_cat [R, K], B = b_full [N, R] block diagonal, bf16).
-// Every CTA takes a ticket from a 64-bit counter that only grows (a launch has split + groups
-// CTAs, so ticket t is local ticket t mod P of launch t div P, in the order CTAs started): the
-// first `split` local tickets each add x A^T over 128 inputs and up to LORA_RB ranks into the
-// launch's float32 [8, R] buffer (one of two, alternate launches; they clear their share of the
-// other one, whose readers are done), then count themselves done (release); the others compute
-// a group of tiles as without
-// LoRA, load their rows of B (the member's window [rs, rs + LORA)) while they sum, wait until
-// the done count covers every shrink of this launch (acquire) and add the expand before they
-// store. A waiting CTA only waits for CTAs that took their tickets before it (already running).
+// Every CTA computes its tiles as without LoRA (one group of tiles a CTA: grid = groups) and,
+// while its first weights load, takes a ticket from a 64-bit counter that only grows (ticket t is
+// local ticket t mod grid of launch t div grid, in the order CTAs started): the first `split`
+// local tickets also do one shrink item each first (x A^T over 128 inputs and up to LORA_RB
+// ranks, added into the launch's float32 [8, R] buffer, one of two used by alternate launches;
+// they clear their share of the other one, whose readers are done), then count it done
+// (release). Before its store a CTA loads its rows of B (the member's window [rs, rs + LORA)),
+// waits until the done count covers every shrink item of this launch (acquire) and adds the
+// expand. A waiting CTA only waits for items taken by CTAs that took their tickets before it
+// (already running) and do their item before their own wait.
 // Requirements (checked by the Python side): K % 128 == 0, x rows contiguous, M <= 8; LORA: at
 // least the largest member rank (a member's window [rs_i, rs_i + LORA) is read below R: its
 // columns of other members are zeros on its rows).
@@ -67,7 +68,7 @@ typedef unsigned long long u64;
 #else
 #define BOUNDS __launch_bounds__(NWARPS * 32)
 #endif
-#define LORA_RB (NWARPS * 16)  // ranks a shrink CTA covers (8 a thread, 16 threads a rank)
+#define LORA_RB (NWARPS * 16)  // ranks a shrink item covers (8 a thread, 16 threads a rank)
 #define ACC_ROWS 8  // rows of a LoRA accumulator buffer (the kernel's most rows)
 
 struct __align__(16) U4 { u32 x, y, z, w; };
@@ -232,7 +233,7 @@ __device__ __forceinline__ void bf16x8(U4 v, float (&f)[8]) {
   }
 }
 
-// A shrink CTA: x[m, k] A[r, k] over one 128-input slice of K for one block of LORA_RB ranks
+// A shrink item: x[m, k] A[r, k] over one 128-input slice of K for one block of LORA_RB ranks
 // (a thread: 8 inputs of 8 ranks, loaded before the wait, as the tiles load their weights), added
 // into the launch's buffer cur [8, R]; it also clears its share of the other buffer (after the
 // wait: the launch before, which read it, is done even when it is this GEMV's own, launched just
@@ -333,20 +334,8 @@ extern "C" __global__ void BOUNDS
   __shared__ U4 bs[FT * 16][LORA / 8];  // the tiles' rows of B in their member's rank window
   __shared__ float ladd[FT * 16][MROWS];  // their LoRA terms
   __shared__ u64 ticket_s;
-  if (threadIdx.x == 0) ticket_s = atomicAdd(lcnt, 1ull);
-  __syncthreads();
-  const int ngroups = (N + 16 * FT - 1) / (16 * FT);
-  const u64 launch = ticket_s / (u64)(split + ngroups);
-  const int lt = (int)(ticket_s - launch * (u64)(split + ngroups));  // the ticket in this launch
-  float* lbuf = lacc + (launch & 1) * ACC_ROWS * R;  // this launch's buffer
-  if (lt < split) {
-    lora_shrink(lt, split, x, M, K, la, lbuf, lacc + (1 - (launch & 1)) * ACC_ROWS * R, R,
-                lcnt + 1);
-    return;
-  }
-  const int tile_first = lt - split, tile_step = ngroups;  // one group of tiles
-#else
-  const int tile_first = blockIdx.x, tile_step = gridDim.x;
+  u64 launch = 0;
+  float* lbuf = lacc;
 #endif
   const int g = lane >> 2, t = lane & 3;
   const int chunks = K >> 5;  // 16-byte chunks a feature
@@ -359,8 +348,8 @@ extern "C" __global__ void BOUNDS
 #endif
   // Persistent over groups of FT tiles of 16 features (a grid smaller than the groups leaves room
   // beside it).
-  for (int tile = tile_first, first_tile = 1; tile * 16 * FT < N;
-       tile += tile_step, first_tile = 0) {
+  for (int tile = blockIdx.x, first_tile = 1; tile * 16 * FT < N;
+       tile += gridDim.x, first_tile = 0) {
     const int row0 = tile * 16 * FT;
     Rows rows[FT];
 #pragma unroll
@@ -434,6 +423,17 @@ extern "C" __global__ void BOUNDS
 
     Step cur[UNR];
     load_w(cur, warp);  // the weights do not depend on the kernel before: load them before waiting
+#if LORA
+    if (first_tile) {  // the ticket (while the weights load): the first `split` do the shrink
+      if (threadIdx.x == 0) ticket_s = atomicAdd(lcnt, 1ull);
+      __syncthreads();
+      launch = ticket_s / gridDim.x;
+      lbuf = lacc + (launch & 1) * ACC_ROWS * R;  // this launch's buffer
+      for (int item = (int)(ticket_s - launch * gridDim.x); item < split; item += gridDim.x)
+        lora_shrink(item, split, x, M, K, la, lbuf, lacc + (1 - (launch & 1)) * ACC_ROWS * R, R,
+                    lcnt + 1);
+    }
+#endif
     if (first_tile) asm volatile("griddepcontrol.wait;" ::: "memory");
     load_x(cur, warp);
     if (first_tile) asm volatile("griddepcontrol.launch_dependents;");
@@ -464,7 +464,7 @@ extern "C" __global__ void BOUNDS
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][lane][f][i] = c[f][0][i] + c[f][1][i];
 #if LORA
-    // the tiles' rows of B (their member's rank window), staged while the shrink CTAs finish
+    // the tiles' rows of B (their member's rank window), staged while the shrink items finish
     for (int i = threadIdx.x; i < FT * 16 * LORA; i += NWARPS * 32) {
       const int n = min(row0 + i / LORA, N - 1);
       const int r = (n >= end1 ? rs2 : (n >= end0 ? rs1 : rs0)) + i % LORA;

@@ -149,7 +149,7 @@ class Fp4Gemv:
         16 features), so that a kernel launched after it finds room beside it; by default one
         CTA a tile. ``lora``: ``(state, a_cat [R, K], b_full [N, R])`` (bf16, contiguous; see
         :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T) b_full^T`` (``sms`` is then not
-        used: the launch has one CTA a tile group and the shrink's)."""
+        used: the launch has one CTA a tile group)."""
         m = int(x.shape[0])
         if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k
                 or not 0 < m <= MAX_M or x.device != self.device):
@@ -178,7 +178,7 @@ class Fp4Gemv:
         if lora is None:
             grid, extra = groups if sms is None else min(groups, sms * per_sm), _NO_LORA
         else:
-            grid, extra = groups + lora[0].split, lora[0].args(*lora[1:])
+            grid, extra = groups, lora[0].args(*lora[1:])
         _launch(fn, grid, warps * 32, x.device, pdl,
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias, *extra))

@@ -2,9 +2,9 @@
 ``lora=(state, a_cat, b_full)``): ``y = x W^T + round_bf16(x a_cat^T) b_full^T`` in one launch,
 so decode at one row pays no LoRA launch of its own (the fused LoRA kernel of
 :mod:`qerl.rollout.fast.lora` beside the GEMV cost 0.27 ms a 7B B=1 step on the H100, run 80 of
-docs/benchmarks.md). The kernel's side (tickets, the shrink CTAs, the expand in the tiles'
-epilogue) is described in ``fp4_gemv.cu``; this module holds what persists between launches and
-checks what a launch is given.
+docs/benchmarks.md). The kernel's side (tickets, the shrink items the first CTAs do, the expand
+in the tiles' epilogue) is described in ``fp4_gemv.cu``; this module holds what persists between
+launches and checks what a launch is given.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 
 from qerl.kernels.fp4_gemv import MAX_M, Fp4Gemv
 
-__all__ = ["MAX_LORA_RANK", "SHRINK_K", "GemvLora", "lora_fits", "shrink_ctas"]
+__all__ = ["MAX_LORA_RANK", "SHRINK_K", "GemvLora", "lora_fits", "shrink_items"]
 
-SHRINK_K = 128  # inputs a shrink CTA covers (one step of the GEMV's warps)
+SHRINK_K = 128  # inputs a shrink item covers (one step of the GEMV's warps)
 MAX_LORA_RANK = 128  # the largest rank of a member (the .cu file's LORA window)
 
 
@@ -27,17 +27,17 @@ def lora_fits(ranks: Sequence[int]) -> bool:
     return any(ranks) and all(r >= 0 for r in ranks) and max(ranks) <= MAX_LORA_RANK
 
 
-def shrink_ctas(k: int, r_total: int, warps: int) -> int:
-    """The shrink CTAs of a launch: one a 128-input slice of K and block of ``warps * 16`` ranks
-    (the ``.cu`` file's LORA_RB: a thread loads 8 inputs of 8 ranks before the kernel waits for
-    the one before it)."""
+def shrink_items(k: int, r_total: int, warps: int) -> int:
+    """The shrink items of a launch (each done by one of the first CTAs to start, before its own
+    tiles): one a 128-input slice of K and block of ``warps * 16`` ranks (the ``.cu`` file's
+    LORA_RB: a thread loads 8 inputs of 8 ranks)."""
     return -(-k // SHRINK_K) * -(-r_total // (warps * 16))
 
 
 class GemvLora:
     """What the LoRA inside one :class:`Fp4Gemv`'s launch keeps between launches: a float32
     accumulator of two ``[MAX_M, R]`` buffers (used by alternate launches) and two int64
-    counters (tickets handed out, shrink CTAs done), zeros at first and then only ever passed to
+    counters (tickets handed out, shrink items done), zeros at first and then only ever passed to
     launches of this GEMV, one at a time (one stream): each launch leaves them as the next needs
     them (the protocol is in the ``.cu`` file).
 
@@ -57,7 +57,7 @@ class GemvLora:
         self.window = -(-max(ranks) // 8) * 8  # the kernel's LORA: ranks read a member's row
         starts = [sum(ranks[:i]) for i in range(len(ranks))]  # of b_full: its rank slice first
         self.starts = starts + starts[-1:] * (3 - len(starts))
-        self.split = shrink_ctas(gemv.k, self.r_total, gemv.variant[0])
+        self.split = shrink_items(gemv.k, self.r_total, gemv.variant[0])
         self.acc = torch.zeros(2 * MAX_M * self.r_total, device=gemv.device)
         self.counters = torch.zeros(2, dtype=torch.int64, device=gemv.device)
         self._gemv = gemv
