@@ -213,8 +213,8 @@ __device__ __forceinline__ void mma_step(float (&c0)[4], float (&c1)[4], const u
 #define MROWS 1
 #endif
 #define XR ((MROWS + 1) / 2)  // 16-byte activation chunks a lane loads a step (16 lanes a row)
-static_assert(NWARPS * UNR * MROWS * 16 * 16 + NWARPS * 32 * 16 * FT + LORA * FT * 32 <= 48 * 1024,
-              "shared memory");
+static_assert(NWARPS * UNR * MROWS * 16 * 16 + NWARPS * 32 * 16 * FT + LORA * FT * 32
+                  + MROWS * 12 * LORA <= 48 * 1024, "shared memory");
 static_assert(LORA % 8 == 0 && LORA <= 128, "LORA: a multiple of 8 up to 128");
 
 __device__ __forceinline__ u64 load_acquire(const u64* p) {
@@ -283,10 +283,10 @@ __device__ void lora_shrink(int item, int split, const U4* x, int M, int K,
   if (threadIdx.x == 0) atomicAdd(done, 1ull);
 }
 
-// The LoRA terms of a group of tiles, one (feature, row) a thread: row m of the launch's buffer
-// buf (rounded to bf16, as the two-GEMM path rounds its shrink) at the feature's member's ranks
+// The LoRA terms of a group of tiles, one (feature, row) a thread: the shrink's row m (staged in
+// xa, already rounded to bf16 as the two-GEMM path rounds it) at the feature's member's ranks
 // [rs, rs + LORA) (those below R) times the feature's row of B staged in bs, into ladd[f][m].
-__device__ __forceinline__ void lora_expand(const float* buf, int R, int row0, int M, int N,
+__device__ __forceinline__ void lora_expand(const float* xa, int R, int row0, int M, int N,
                                             int end0, int end1, int rs0, int rs1, int rs2,
                                             const U4 (*bs)[LORA / 8 + (LORA == 0)],
                                             float (*ladd)[MROWS]) {
@@ -296,17 +296,14 @@ __device__ __forceinline__ void lora_expand(const float* buf, int R, int row0, i
     const int rs = n >= end1 ? rs2 : (n >= end0 ? rs1 : rs0);
     float acc = 0.f;
     if (m < M) {
-#pragma unroll 2
+#pragma unroll 4
       for (int c = 0; c < LORA / 8; ++c) {
         float b[8];
         bf16x8(bs[f][c], b);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const int r = rs + 8 * c + j;
-          float v = 0.f;
-          if (r < R)
-            asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(buf + m * R + r) : "memory");
-          acc = fmaf(__uint_as_float(bf16_bits(v) << 16), b[j], acc);
+          acc = fmaf(r < R ? xa[m * R + r] : 0.f, b[j], acc);
         }
       }
     }
@@ -333,6 +330,7 @@ extern "C" __global__ void BOUNDS
 #if LORA
   __shared__ U4 bs[FT * 16][LORA / 8];  // the tiles' rows of B in their member's rank window
   __shared__ float ladd[FT * 16][MROWS];  // their LoRA terms
+  __shared__ float lxa[MROWS * 3 * LORA];  // the shrink's rows (R <= 3 LORA: 3 members at most)
   __shared__ u64 ticket_s;
   u64 launch = 0;
   float* lbuf = lacc;
@@ -476,7 +474,13 @@ extern "C" __global__ void BOUNDS
       __threadfence();  // then the barrier: the CTA's reads of the buffer come after (as grid.sync)
     }
     __syncthreads();
-    lora_expand(lbuf, R, row0, M, N, end0, end1, rs0, rs1, rs2, bs, ladd);
+    for (int i = threadIdx.x; i < M * R; i += NWARPS * 32) {  // the shrink's rows: one round trip
+      float v;
+      asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(lbuf + i) : "memory");
+      lxa[i] = __uint_as_float(bf16_bits(v) << 16);
+    }
+    __syncthreads();
+    lora_expand(lxa, R, row0, M, N, end0, end1, rs0, rs1, rs2, bs, ladd);
 #endif
     __syncthreads();
     if (warp == 0) {

@@ -261,11 +261,12 @@ def _mrows(m: int) -> int:
 def _fitting(variant: tuple[int, int, int, int], m: int,
              lora: int = 0) -> tuple[int, int, int, int]:
     """``variant`` with fewer steps in flight where its staged activations (``warps * steps *
-    rows * 256`` bytes), partial sums (``warps * tiles * 512``) and LoRA rows of ``b_full``
-    (``lora`` ranks: ``tiles * lora * 32``) would exceed 48 KiB of shared memory."""
+    rows * 256`` bytes), partial sums (``warps * tiles * 512``), LoRA rows of ``b_full``
+    (``lora`` ranks: ``tiles * lora * 32``) and the shrink's rows (``rows * 12 * lora``) would
+    exceed 48 KiB of shared memory."""
     warps, unr, pipe, ft = variant
     while unr > 1 and (warps * (unr * _mrows(m) * 256 + 512 * ft)
-                       + ft * (lora * 32 + 64 * _mrows(m))) > 48 * 1024:
+                       + ft * (lora * 32 + 64 * _mrows(m)) + _mrows(m) * 12 * lora) > 48 * 1024:
         unr //= 2
     return warps, unr, pipe, ft
 
