@@ -60,7 +60,7 @@ class GemvLora:
         self.split = shrink_items(gemv.k, self.r_total, gemv.variant[0])
         self.acc = torch.zeros(2 * MAX_M * self.r_total, device=gemv.device)
         self.counters = torch.zeros(2, dtype=torch.int64, device=gemv.device)
-        self._gemv = gemv
+        self._gemv, self.grid = gemv, None
 
     def check(self, gemv: Fp4Gemv, a_cat: torch.Tensor, b_full: torch.Tensor) -> int:
         """The rank window the kernel is compiled for, or a ValueError naming the bad tensor."""
@@ -75,7 +75,13 @@ class GemvLora:
                                  f"{gemv.device}, got {t.dtype} {list(t.shape)} on {t.device}")
         return self.window
 
-    def args(self, a_cat: torch.Tensor, b_full: torch.Tensor) -> tuple:
-        """The kernel's LoRA arguments."""
+    def args(self, a_cat: torch.Tensor, b_full: torch.Tensor, grid: int) -> tuple:
+        """The kernel's LoRA arguments for a launch of ``grid`` CTAs: every launch on these
+        counters must have the same (its tickets count launches in grids), else a ValueError."""
+        if self.grid is None:
+            self.grid = grid
+        elif grid != self.grid:
+            raise ValueError(f"GemvLora: a launch of {grid} CTAs on counters of launches of "
+                             f"{self.grid}: one state per GEMV and grid")
         return (a_cat.data_ptr(), b_full.data_ptr(), self.acc.data_ptr(),
                 self.counters.data_ptr(), self.r_total, self.split, *self.starts)
