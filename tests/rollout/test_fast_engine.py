@@ -318,7 +318,7 @@ def test_bad_engine_options() -> None:
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="attention_splits"):
             FastEngine(attention_splits=bad)
-    with pytest.raises(ValueError, match="lora_kernel must be fused, standalone or cublas"):
+    with pytest.raises(ValueError, match="lora_kernel must be fused, gemv or cublas"):
         FastEngine(lora_kernel="triton")
     for bad in (0, 65, True, 1.0):
         with pytest.raises(ValueError, match="fused_lora_max_rows must be an int in 1..64"):
@@ -681,8 +681,8 @@ def test_gpu_single_copy_keeps_one_copy_and_the_same_rollout() -> None:
 @pytest.mark.parametrize("fmt,n_rows", [("nvfp4", 1), ("nvfp4", 8), ("mxfp4", 1)])
 def test_gpu_gemv_rollout_matches_teacher_forcing(fmt: str, n_rows: int) -> None:
     """``gemv_max_m``: decode through our FP4 GEMV (the 4-bit groups of 7B widths it is preferred
-    for, their LoRA inside its launch, or beside it with ``lora_kernel="standalone"``) agrees with
-    a full forward pass; a wave wider than ``gemv_max_m`` stays on humming."""
+    for, their LoRA beside it, or inside its launch with ``lora_kernel="gemv"``) agrees with a
+    full forward pass; a wave wider than ``gemv_max_m`` stays on humming."""
     from qerl.kernels import backend_available, fp4_gemv
 
     if not backend_available("humming") or not fp4_gemv.supports(
@@ -699,13 +699,13 @@ def test_gpu_gemv_rollout_matches_teacher_forcing(fmt: str, n_rows: int) -> None
     assert wanted == 3  # q/k/v, o, gate/up; the down projection stays on humming
     errs = {}
     runs = [(0, "fused"), (8 if n_rows == 8 else 1, "fused")]  # humming alone, then the GEMV
-    runs += [(1, "standalone")] if n_rows == 1 else []  # the fused LoRA kernel beside the GEMV
+    runs += [(8 if n_rows == 8 else 1, "gemv")]  # the LoRA inside the GEMV's launch
     for gemv_max_m, lora_kernel in runs:
         eng = FastEngine(gemv_max_m=gemv_max_m, lora_kernel=lora_kernel)
         out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
         assert eng.last_stats["cuda_graph"]
         assert eng.last_stats["gemv_groups"] == (wanted * 2 if gemv_max_m else 0)
-        inside = gemv_max_m and lora_kernel == "fused"
+        inside = gemv_max_m and lora_kernel == "gemv"
         assert eng.last_stats["lora_in_gemv"] == (wanted * 2 if inside else 0)
         errs[gemv_max_m, lora_kernel] = (
             out.logprobs - _teacher_forced_logprobs(model, out, 1.0)).abs()

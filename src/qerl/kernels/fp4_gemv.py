@@ -127,8 +127,7 @@ class Fp4Gemv:
         self.mx_bias = max(mx_bias(s) for s in self.scales) if fmt == "mxfp4" else 0
         # the kernel's own per-column factor (not a ``col_scale`` for the consumer to apply)
         self.column_factor = _column_factor(fmt, members, self.n_sizes, self.mx_bias, self.device)
-        self._sms = _multiprocessors(self.device)
-        self.variant = variant or default_variant(self.n, self.k, self._sms)
+        self.variant = variant or default_variant(self.n, self.k, _multiprocessors(self.device))
         ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
                 for p in (w.data_ptr(), s.data_ptr())]
         ends = [sum(self.n_sizes[:1]), sum(self.n_sizes[:2])]  # members 2 and 3 start there
@@ -149,8 +148,8 @@ class Fp4Gemv:
         most as many CTAs as fit on that many multiprocessors at once (each loops over tiles of
         16 features), so that a kernel launched after it finds room beside it; by default one
         CTA a tile. ``lora``: ``(state, a_cat [R, K], b_full [N, R])`` (bf16, contiguous; see
-        :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T)
-        b_full^T`` (``sms`` is then not used: the launch has as many CTAs as the GPU holds)."""
+        :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T) b_full^T`` (``sms`` is then not
+        used: the launch has one CTA a tile group)."""
         m = int(x.shape[0])
         if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k
                 or not 0 < m <= MAX_M or x.device != self.device):
@@ -179,8 +178,7 @@ class Fp4Gemv:
         if lora is None:
             grid, extra = groups if sms is None else min(groups, sms * per_sm), _NO_LORA
         else:
-            grid = min(groups, per_sm * self._sms)  # persistent: one wait a CTA
-            extra = lora[0].args(*lora[1:], grid)
+            grid, extra = groups, lora[0].args(*lora[1:])
         _launch(fn, grid, warps * 32, x.device, pdl,
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias, *extra))

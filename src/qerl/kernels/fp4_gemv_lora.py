@@ -1,11 +1,13 @@
 """The LoRA of a group inside its FP4 GEMV launch (:class:`qerl.kernels.fp4_gemv.Fp4Gemv` with
 ``lora=(state, a_cat, b_full)``): ``y = x W^T + round_bf16(x a_cat^T) b_full^T`` in one launch,
-so decode at one row pays no LoRA launch of its own (the fused LoRA kernel of
-:mod:`qerl.rollout.fast.lora` beside the GEMV cost 0.27 ms a 7B B=1 step on the H100, run 80 of
-docs/benchmarks.md). The kernel's side (tickets, the shrink items the first CTAs do, the expand
-in the tiles' epilogue) is described in ``fp4_gemv.cu``; this module holds what persists between
-launches and checks what a launch is given.
-"""
+so decode at one row pays no LoRA launch of its own. The kernel's side (tickets, the shrink
+items the first CTAs do, the expand in the tiles' epilogue) is described in ``fp4_gemv.cu``; this
+module holds what persists between launches and checks what a launch is given.
+
+Not the engine's default (``FastEngine(lora_kernel="gemv")`` turns it on): on the H100 the fused
+LoRA kernel of :mod:`qerl.rollout.fast.lora` beside the GEMV costs less, 7B B=1 NVFP4 + LoRA
+r=32 3.12 against 3.22 ms a step (run 83 of docs/benchmarks.md): every CTA's epilogue waits for
+the shrink and reads its rows, which at the gate/up (two waves of CTAs) holds the slots longer."""
 
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ class GemvLora:
         self.split = shrink_items(gemv.k, self.r_total, gemv.variant[0])
         self.acc = torch.zeros(2 * MAX_M * self.r_total, device=gemv.device)
         self.counters = torch.zeros(2, dtype=torch.int64, device=gemv.device)
-        self._gemv, self.grid = gemv, None
+        self._gemv = gemv
 
     def check(self, gemv: Fp4Gemv, a_cat: torch.Tensor, b_full: torch.Tensor) -> int:
         """The rank window the kernel is compiled for, or a ValueError naming the bad tensor."""
@@ -75,13 +77,7 @@ class GemvLora:
                                  f"{gemv.device}, got {t.dtype} {list(t.shape)} on {t.device}")
         return self.window
 
-    def args(self, a_cat: torch.Tensor, b_full: torch.Tensor, grid: int) -> tuple:
-        """The kernel's LoRA arguments for a launch of ``grid`` CTAs: every launch on these
-        counters must have the same (its tickets count launches in grids), else a ValueError."""
-        if self.grid is None:
-            self.grid = grid
-        elif grid != self.grid:
-            raise ValueError(f"GemvLora: a launch of {grid} CTAs on counters of launches of "
-                             f"{self.grid}: one state per GEMV and grid")
+    def args(self, a_cat: torch.Tensor, b_full: torch.Tensor) -> tuple:
+        """The kernel's LoRA arguments."""
         return (a_cat.data_ptr(), b_full.data_ptr(), self.acc.data_ptr(),
                 self.counters.data_ptr(), self.r_total, self.split, *self.starts)

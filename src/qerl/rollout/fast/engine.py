@@ -8,9 +8,9 @@ epilogue), the group GEMMs (humming: q/k/v and gate/up each one GEMM), cuBLAS fo
 and the LM head, and sampling. ``torch`` (any device, no graphs): the same computation in plain
 torch; the CPU tests run it against transformers.
 
-LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): inside the FP4
-GEMV's launch at one row, else shrink and expand in one launch (:mod:`qerl.rollout.fast.lora`; two
-cuBLAS GEMMs on a side stream above its rows) added by the consumer kernel in its epilogue.
+LoRA is applied unmerged and batched per group (:mod:`qerl.rollout.fast.plan`): shrink and expand
+in one launch (:mod:`qerl.rollout.fast.lora`; two cuBLAS GEMMs on a side stream above its rows, or
+inside the FP4 GEMV's launch with ``lora_kernel="gemv"``) added by the consumer's epilogue.
 Adapter weights are copied at the start of every ``generate``; norm weights are read live, so AQN
 noise applied in place is seen by captured graphs; replaced tensors rebuild the plan.
 
@@ -62,11 +62,12 @@ class FastEngine:
             uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
         lora_overlap: LoRA on a side stream (CUDA); ``None``: only the cuBLAS pair (the side
             stream never overlapped humming's GEMMs; the fused kernel is faster without it).
-        lora_kernel: ``"fused"``: a group's LoRA in decode inside its FP4 GEMV's launch where
-            the GEMV runs it (:mod:`qerl.kernels.fp4_gemv_lora`), else as one launch of
-            :func:`qerl.rollout.fast.lora.fused_lora` where that applies (the ``triton`` backend,
-            at most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
-            ``"standalone"``: that launch beside the GEMV too; ``"cublas"``: two cuBLAS GEMMs.
+        lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
+            :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
+            most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
+            ``"gemv"``: the same, but inside the FP4 GEMV's launch where the GEMV runs the group
+            (:mod:`qerl.kernels.fp4_gemv_lora`; 0.1 ms slower a 7B B=1 step on the H100, run 83);
+            ``"cublas"``: two cuBLAS GEMMs a group always.
         fused_lora_max_rows: the most rows of a wave for the fused LoRA (1 to ``lora.MAX_ROWS``).
         humming_layout: humming's copy of NVFP4 (:mod:`qerl.kernels.humming_gemm`): ``"ct"``
             (E4M3 group scales, as stored) or ``"bf16_scales"`` (bf16 ones; 3-4 % faster).
@@ -108,7 +109,7 @@ class FastEngine:
                  humming_layout: str = "bf16_scales", pdl: bool | None = None,
                  lora_sms: int = 8, lora_end_wait: str = "one", gemv_max_m: int = 1) -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
-        choice("lora_kernel", lora_kernel, ("fused", "standalone", "cublas"))
+        choice("lora_kernel", lora_kernel, ("fused", "gemv", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
         int_in("fused_lora_max_rows", fused_lora_max_rows, MAX_ROWS)
         int_in("attention_splits", 64 if attention_splits is None else attention_splits, 64)
@@ -350,7 +351,7 @@ class FastEngine:
         st.side = self._stream(plan.device, "lora") if overlap else None
         st.pdl = pdl
         st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
-        st.lora_end_wait, st.lora_in_gemv = self.lora_end_wait, self.lora_kernel == "fused"
+        st.lora_end_wait, st.lora_in_gemv = self.lora_end_wait, self.lora_kernel == "gemv"
         self._state = st
         return st
 
