@@ -104,11 +104,11 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --ms ${HALVES_MS:-32} --json "$OUT/fp4_halves_${HALVES_MODEL:-32b}.json" ;;
     gemv|gemvtests)  # our FP4 GEMV (qerl.kernels.fp4_gemv) and the LoRA in its launch: GPU tests,
       # then (gemv) against humming per decode shape
-      timeout ${GEMVTESTS_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/kernels/test_fp4_gemv.py \
+      timeout ${GEMVTESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/kernels/test_fp4_gemv.py \
         tests/kernels/test_fp4_gemv_lora.py \
         tests/rollout/test_fast_engine.py::test_gpu_gemv_rollout_matches_teacher_forcing 2>&1 | tail -15
       echo "pytest rc=${PIPESTATUS[0]}"
-      [ $phase = gemv ] && timeout ${GEMV_TIMEOUT:-200} python3 benchmarks/fp4_matmul.py --model ${GEMV_MODEL:-7b} --ms ${GEMV_MS:-1,4} \
+      [ $phase = gemvtests ] || timeout ${GEMV_TIMEOUT:-200} python3 benchmarks/fp4_matmul.py --model ${GEMV_MODEL:-7b} --ms ${GEMV_MS:-1,4} \
         --methods ${GEMV_METHODS:-cublas_bf16,humming_bf16s_pdl_nvfp4,gemv4x1p0_pdl_nvfp4,gemv4x2p0_pdl_nvfp4,gemv8x1p0_pdl_nvfp4,gemv8x2p0_pdl_nvfp4,gemv8x4p0_pdl_nvfp4,gemv16x2p0_pdl_nvfp4,gemv4x2p1_pdl_nvfp4,gemv8x1p1_pdl_nvfp4,gemv8x2p1_pdl_nvfp4,gemv_pdl_mxfp4} \
         --json "$OUT/fp4_gemv_${GEMV_MODEL:-7b}.json" ;;
     micro)

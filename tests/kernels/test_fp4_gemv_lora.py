@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qerl.kernels import fp4_gemv
 from qerl.kernels.fp4_gemv import Fp4Gemv
 from qerl.kernels.fp4_gemv_lora import MAX_LORA_RANK, GemvLora, lora_fits, shrink_items
 
@@ -47,6 +48,20 @@ def test_shrink_items_cover_every_slice_and_rank_block() -> None:
     assert shrink_items(3584, 96, 8) == 28  # 7B q/k/v at r = 32: 28 slices, 128 ranks a block
     assert shrink_items(3584, 96, 4) == 56  # 4 warps: 64 ranks a block
     assert shrink_items(1280, 200, 8) == 20 and shrink_items(128, 1, 1) == 1
+
+
+def test_shared_memory_sizes_and_fitting() -> None:
+    # the static shared memory ptxas reported for these variants (nvcc -Xptxas -v, sm_90):
+    # (warps, steps, tiles, rows, LoRA window) -> bytes
+    ptxas = {(4, 1, 2, 1, 32): 7688, (8, 4, 1, 1, 32): 13768, (8, 2, 1, 1, 32): 9672,
+             (8, 4, 1, 1, 0): 12288, (4, 2, 2, 4, 16): 14600}
+    for args, nbytes in ptxas.items():
+        assert fp4_gemv._smem_bytes(*args) == nbytes, args
+    assert fp4_gemv._fitting((16, 2, 0, 2), 3) == (16, 2, 0, 2)  # no LoRA: 48 KiB exactly fits
+    assert fp4_gemv._fitting((8, 4, 0, 1), 1, 32) == (8, 4, 0, 1)  # the 7B o with its LoRA
+    assert fp4_gemv._fitting((8, 2, 0, 2), 8, 128) == (8, 1, 0, 2)  # one step a batch fits
+    with pytest.raises(ValueError, match="more than 48 KiB"):
+        fp4_gemv._fitting((16, 1, 0, 2), 8, 128)
 
 
 def test_state_windows_and_buffers() -> None:

@@ -699,7 +699,7 @@ def test_gpu_gemv_rollout_matches_teacher_forcing(fmt: str, n_rows: int) -> None
     assert wanted == 3  # q/k/v, o, gate/up; the down projection stays on humming
     errs = {}
     runs = [(0, "fused"), (8 if n_rows == 8 else 1, "fused")]  # humming alone, then the GEMV
-    runs += [(8 if n_rows == 8 else 1, "gemv")]  # the LoRA inside the GEMV's launch
+    runs += [(1, "gemv")] if n_rows == 1 else []  # the LoRA inside the GEMV's launch
     for gemv_max_m, lora_kernel in runs:
         eng = FastEngine(gemv_max_m=gemv_max_m, lora_kernel=lora_kernel)
         out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))

@@ -34,8 +34,9 @@
 // they clear their share of the other one, whose readers are done), then count it done
 // (release). Before its store a CTA loads its rows of B (the member's window [rs, rs + LORA)),
 // waits until the done count covers every shrink item of this launch (acquire) and adds the
-// expand. A waiting CTA only waits for items taken by CTAs that took their tickets before it
-// (already running) and do their item before their own wait.
+// expand. A CTA does its items before it waits, and the items it waits for are taken by CTAs
+// that start later, so every launch finishes as long as all items or all CTAs fit on the GPU at
+// once (checked by the Python side: min(split, grid) <= CTAs resident).
 // Requirements (checked by the Python side): K % 128 == 0, x rows contiguous, M <= 8; LORA: at
 // least the largest member rank (a member's window [rs_i, rs_i + LORA) is read below R: its
 // columns of other members are zeros on its rows).
@@ -213,8 +214,9 @@ __device__ __forceinline__ void mma_step(float (&c0)[4], float (&c1)[4], const u
 #define MROWS 1
 #endif
 #define XR ((MROWS + 1) / 2)  // 16-byte activation chunks a lane loads a step (16 lanes a row)
-static_assert(NWARPS * UNR * MROWS * 16 * 16 + NWARPS * 32 * 16 * FT + LORA * FT * 32
-                  + MROWS * 12 * LORA <= 48 * 1024, "shared memory");
+static_assert(NWARPS * UNR * MROWS * 256 + NWARPS * 512 * FT
+                  + (LORA ? FT * (LORA * 32 + 64 * MROWS) + MROWS * 12 * LORA + 8 : 0) <= 48 * 1024,
+              "shared memory (fp4_gemv.py's _smem_bytes)");
 static_assert(LORA % 8 == 0 && LORA <= 128, "LORA: a multiple of 8 up to 128");
 
 __device__ __forceinline__ u64 load_acquire(const u64* p) {

@@ -127,7 +127,8 @@ class Fp4Gemv:
         self.mx_bias = max(mx_bias(s) for s in self.scales) if fmt == "mxfp4" else 0
         # the kernel's own per-column factor (not a ``col_scale`` for the consumer to apply)
         self.column_factor = _column_factor(fmt, members, self.n_sizes, self.mx_bias, self.device)
-        self.variant = variant or default_variant(self.n, self.k, _multiprocessors(self.device))
+        self._sms = _multiprocessors(self.device)
+        self.variant = variant or default_variant(self.n, self.k, self._sms)
         ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
                 for p in (w.data_ptr(), s.data_ptr())]
         ends = [sum(self.n_sizes[:1]), sum(self.n_sizes[:2])]  # members 2 and 3 start there
@@ -148,8 +149,10 @@ class Fp4Gemv:
         most as many CTAs as fit on that many multiprocessors at once (each loops over tiles of
         16 features), so that a kernel launched after it finds room beside it; by default one
         CTA a tile. ``lora``: ``(state, a_cat [R, K], b_full [N, R])`` (bf16, contiguous; see
-        :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T) b_full^T`` (``sms`` is then not
-        used: the launch has one CTA a tile group)."""
+        :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T)
+        b_full^T`` for a block-diagonal ``b_full`` (a member's rows zero outside its rank slice;
+        the kernel reads each member's window only), ``sms`` must then be None (one CTA a tile
+        group)."""
         m = int(x.shape[0])
         if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k
                 or not 0 < m <= MAX_M or x.device != self.device):
@@ -164,9 +167,9 @@ class Fp4Gemv:
             raise ValueError(f"Fp4Gemv: out must be bf16 [{m}, {self.n}] on {self.device} with "
                              f"contiguous columns, got {out.dtype} {list(out.shape)} stride "
                              f"{out.stride()}")
-        if sms is not None and sms < 1:
+        if sms is not None and (sms < 1 or lora is not None):
             raise ValueError(f"Fp4Gemv: sms must be a positive number of multiprocessors or "
-                             f"None, got {sms}")
+                             f"None (None with lora), got {sms}")
         window = 0 if lora is None else lora[0].check(self, *lora[1:])
         warps, unr, pipe, ft = _fitting(self.variant, m, window)
         key = (warps, unr, pipe, ft, _mrows(m), window)
@@ -177,8 +180,13 @@ class Fp4Gemv:
         groups = -(-self.n // (16 * ft))  # what one CTA computes at once
         if lora is None:
             grid, extra = groups if sms is None else min(groups, sms * per_sm), _NO_LORA
-        else:
+        else:  # every CTA that waits has done its shrink items; the items it waits for are
+            # taken by CTAs that start after it: resident at once if the items or the grid fit
             grid, extra = groups, lora[0].args(*lora[1:])
+            if min(grid, lora[0].split) > per_sm * self._sms:
+                raise ValueError(f"Fp4Gemv: {lora[0].split} LoRA shrink items and {grid} CTAs, "
+                                 f"more than the {per_sm * self._sms} CTAs the GPU holds at once "
+                                 "(the launch could wait forever): a lower rank or a shorter K")
         _launch(fn, grid, warps * 32, x.device, pdl,
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias, *extra))
@@ -258,16 +266,26 @@ def _mrows(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
+def _smem_bytes(warps: int, unr: int, ft: int, mrows: int, lora: int = 0) -> int:
+    """A variant's static shared memory (the ``.cu`` file's ``static_assert``): staged activations
+    (``warps * steps * rows * 256`` bytes) and partial sums (``warps * tiles * 512``); with a LoRA
+    window of ``lora`` ranks also its rows of ``b_full`` (``tiles * lora * 32``), LoRA terms
+    (``tiles * rows * 64``), the shrink's rows (``rows * 12 * lora``) and the ticket (8)."""
+    plain = warps * (unr * mrows * 256 + 512 * ft)
+    return plain + (ft * (lora * 32 + 64 * mrows) + mrows * 12 * lora + 8 if lora else 0)
+
+
 def _fitting(variant: tuple[int, int, int, int], m: int,
              lora: int = 0) -> tuple[int, int, int, int]:
-    """``variant`` with fewer steps in flight where its staged activations (``warps * steps *
-    rows * 256`` bytes), partial sums (``warps * tiles * 512``), LoRA rows of ``b_full``
-    (``lora`` ranks: ``tiles * lora * 32``) and the shrink's rows (``rows * 12 * lora``) would
-    exceed 48 KiB of shared memory."""
+    """``variant`` with fewer steps in flight where its shared memory (:func:`_smem_bytes`)
+    would exceed 48 KiB; a ValueError where one step does not fit either."""
     warps, unr, pipe, ft = variant
-    while unr > 1 and (warps * (unr * _mrows(m) * 256 + 512 * ft)
-                       + ft * (lora * 32 + 64 * _mrows(m)) + _mrows(m) * 12 * lora) > 48 * 1024:
+    while unr > 1 and _smem_bytes(warps, unr, ft, _mrows(m), lora) > 48 * 1024:
         unr //= 2
+    if _smem_bytes(warps, unr, ft, _mrows(m), lora) > 48 * 1024:
+        raise ValueError(f"Fp4Gemv: variant {variant} at {m} rows (LoRA window {lora}) needs "
+                         f"{_smem_bytes(warps, unr, ft, _mrows(m), lora)} bytes of shared memory, "
+                         "more than 48 KiB: use fewer warps or one tile a CTA")
     return warps, unr, pipe, ft
 
 

@@ -74,7 +74,8 @@ class GemvLora:
             if (t.dtype != torch.bfloat16 or tuple(t.shape) != shape or not t.is_contiguous()
                     or t.device != gemv.device or (name == "a_cat" and t.data_ptr() % 16)):
                 raise ValueError(f"GemvLora: {name} must be contiguous bf16 {list(shape)} on "
-                                 f"{gemv.device}, got {t.dtype} {list(t.shape)} on {t.device}")
+                                 f"{gemv.device}" + (", 16-byte aligned" if name == "a_cat" else "")
+                                 + f", got {t.dtype} {list(t.shape)} on {t.device}")
         return self.window
 
     def args(self, a_cat: torch.Tensor, b_full: torch.Tensor) -> tuple:

@@ -39,6 +39,7 @@ class GroupGemm:
         self.dtype = dtype
         self.humming_only = humming_only  # every row count through humming (the source may be parked)
         self.humming = None
+        # the LoRA inside the GEMV's launch: its state once made, False once it failed
         self.gemv, self.gemv_max_m, self._gemv_lora = None, gemv_max_m, None
         if gemv_max_m and backend == "humming" and group.all_fp4 and not humming_only:
             from qerl.kernels import fp4_gemv
@@ -78,8 +79,8 @@ class GroupGemm:
 
     def lora_in_gemv(self, rows: int) -> bool:
         """Whether the group's LoRA can run inside its GEMV launch at ``rows``
-        (:mod:`qerl.kernels.fp4_gemv_lora`: the GEMV runs them, ranks multiples of 8)."""
-        if not (self.group.r_total and self.uses_gemv(rows)):
+        (:mod:`qerl.kernels.fp4_gemv_lora`: the GEMV runs them, no rank above 128)."""
+        if not (self.group.r_total and self.uses_gemv(rows) and self._gemv_lora is not False):
             return False
         from qerl.kernels.fp4_gemv_lora import lora_fits
 
@@ -121,11 +122,20 @@ class GroupGemm:
             if not self.lora_in_gemv(rows):
                 raise ValueError(f"GroupGemm: the LoRA of {g.members[0].name} cannot run inside "
                                  f"its GEMV at {rows} rows")
-            if self._gemv_lora is None:  # the launches' counters and buffers, once
-                from qerl.kernels.fp4_gemv_lora import GemvLora
+            try:
+                if self._gemv_lora is None:  # the launches' counters and buffers, once
+                    from qerl.kernels.fp4_gemv_lora import GemvLora
 
-                self._gemv_lora = GemvLora(self.gemv, [m.lora_r for m in g.members])
-            y = self.gemv(x, pdl=pdl, lora=(self._gemv_lora, *lora))
+                    self._gemv_lora = GemvLora(self.gemv, [m.lora_r for m in g.members])
+                y = self.gemv(x, pdl=pdl, lora=(self._gemv_lora, *lora))
+            except (RuntimeError, ValueError) as e:  # its variant does not compile, or too many
+                # CTAs: this call adds the LoRA in torch, later ones run it apart (lora_in_gemv)
+                warnings.warn(f"the LoRA of {g.members[0].name} cannot run inside its GEMV "
+                              f"({type(e).__name__}: {e}); it runs as its own launch",
+                              stacklevel=2)
+                self._gemv_lora = False
+                y = self.gemv(x, pdl=pdl)
+                y.add_(torch.mm(torch.mm(x, lora[0].t()), lora[1].t()))
         elif self.uses_gemv(rows):
             y = self.gemv(x, pdl=pdl, sms=sms)
         elif self.uses_humming(rows):
