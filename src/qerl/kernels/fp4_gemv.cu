@@ -285,6 +285,12 @@ __device__ void lora_shrink(int item, int split, const U4* x, int M, int K,
   if (threadIdx.x == 0) atomicAdd(done, 1ull);
 }
 
+// The first rank of b_full's window for output feature n: its member's (members 1 and 2 start at
+// rows end0 and end1).
+__device__ __forceinline__ int rank_start(int n, int end0, int end1, int rs0, int rs1, int rs2) {
+  return n >= end1 ? rs2 : (n >= end0 ? rs1 : rs0);
+}
+
 // The LoRA terms of a group of tiles, one (feature, row) a thread: the shrink's row m (staged in
 // xa, already rounded to bf16 as the two-GEMM path rounds it) at the feature's member's ranks
 // [rs, rs + LORA) (those below R) times the feature's row of B staged in bs, into ladd[f][m].
@@ -294,8 +300,7 @@ __device__ __forceinline__ void lora_expand(const float* xa, int R, int row0, in
                                             float (*ladd)[MROWS]) {
   for (int i = threadIdx.x; i < FT * 16 * MROWS; i += NWARPS * 32) {
     const int f = i / MROWS, m = i % MROWS;
-    const int n = min(row0 + f, N - 1);
-    const int rs = n >= end1 ? rs2 : (n >= end0 ? rs1 : rs0);
+    const int rs = rank_start(min(row0 + f, N - 1), end0, end1, rs0, rs1, rs2);
     float acc = 0.f;
     if (m < M) {
 #pragma unroll 4
@@ -467,7 +472,7 @@ extern "C" __global__ void BOUNDS
     // the tiles' rows of B (their member's rank window), staged while the shrink items finish
     for (int i = threadIdx.x; i < FT * 16 * LORA; i += NWARPS * 32) {
       const int n = min(row0 + i / LORA, N - 1);
-      const int r = (n >= end1 ? rs2 : (n >= end0 ? rs1 : rs0)) + i % LORA;
+      const int r = rank_start(n, end0, end1, rs0, rs1, rs2) + i % LORA;
       reinterpret_cast<u16*>(bs)[i] = r < R ? lb[(u64)n * R + r] : (u16)0;
     }
     if (threadIdx.x == 0) {  // every shrink of this launch (and of the earlier ones) is done

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from qerl.kernels import dequant
 from qerl.kernels.backend import humming_max_m
+from qerl.rollout.fast.lora import lora_torch
 from qerl.rollout.fast.plan import Group, Member
 
 __all__ = ["GroupGemm", "precompile_groups"]
@@ -134,8 +135,7 @@ class GroupGemm:
                               f"({type(e).__name__}: {e}); it runs as its own launch",
                               stacklevel=2)
                 self._gemv_lora = False
-                y = self.gemv(x, pdl=pdl)
-                y.add_(torch.mm(torch.mm(x, lora[0].t()), lora[1].t()))
+                y = self.gemv(x, pdl=pdl).add_(lora_torch(x, *lora))
         elif self.uses_gemv(rows):
             y = self.gemv(x, pdl=pdl, sms=sms)
         elif self.uses_humming(rows):
