@@ -151,8 +151,8 @@ class Fp4Gemv:
         CTA a tile. ``lora``: ``(state, a_cat [R, K], b_full [N, R])`` (bf16, contiguous; see
         :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T)
         b_full^T`` for a block-diagonal ``b_full`` (a member's rows zero outside its rank slice;
-        the kernel reads each member's window only), ``sms`` must then be None (one CTA a tile
-        group)."""
+        the kernel reads each member's window only); ``sms`` must then be None (persistent CTAs,
+        as many as the GPU holds at once)."""
         m = int(x.shape[0])
         if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k
                 or not 0 < m <= MAX_M or x.device != self.device):
@@ -180,13 +180,15 @@ class Fp4Gemv:
         groups = -(-self.n // (16 * ft))  # what one CTA computes at once
         if lora is None:
             grid, extra = groups if sms is None else min(groups, sms * per_sm), _NO_LORA
-        else:  # every CTA that waits has done its shrink items; the items it waits for are
-            # taken by CTAs that start after it: resident at once if the items or the grid fit
-            grid, extra = groups, lora[0].args(*lora[1:])
+        else:  # persistent CTAs (one wait each), as many as the first launch could hold at once;
+            # a CTA does its shrink items before it waits: all finish if the items or CTAs fit
+            grid = lora[0].launch_grid(min(groups, per_sm * self._sms))
             if min(grid, lora[0].split) > per_sm * self._sms:
                 raise ValueError(f"Fp4Gemv: {lora[0].split} LoRA shrink items and {grid} CTAs, "
                                  f"more than the {per_sm * self._sms} CTAs the GPU holds at once "
-                                 "(the launch could wait forever): a lower rank or a shorter K")
+                                 f"at {m} rows (the launch could wait forever): one state a row "
+                                 "count, a lower rank or a shorter K")
+            extra = lora[0].args(*lora[1:])
         _launch(fn, grid, warps * 32, x.device, pdl,
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias, *extra))
