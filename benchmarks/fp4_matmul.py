@@ -183,8 +183,8 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
 FP4 = "(nvfp4|mxfp4)"
 METHOD = re.compile(rf"cublas_bf16|dequant_cublas_{FP4}|legacy_triton_{FP4}"
                     rf"|humming(_bf16s)?(_sms\d+)?(_pdl)?_{FP4}"
-                    rf"|gemv(\d+x\d+p[01](t[12])?)?(_sms\d+)?(_pdl)?(_lora\d+)?_{FP4}")
-GEMV_VARIANT = re.compile(r"gemv(\d+)x(\d+)p([01])(?:t([12]))?")
+                    rf"|gemv(\d+x\d+p[01](t[12])?(k\d+)?)?(_sms\d+)?(_pdl)?(_lora\d+)?_{FP4}")
+GEMV_VARIANT = re.compile(r"gemv(\d+)x(\d+)p([01])(?:t([12]))?(?:k(\d+))?")
 
 
 def check_methods(methods: list[str]) -> None:
@@ -193,28 +193,31 @@ def check_methods(methods: list[str]) -> None:
         if not METHOD.fullmatch(m):
             raise ValueError(f"unknown method {m!r}: known are cublas_bf16, "
                              "humming[_bf16s][_smsN][_pdl]_<fmt>, "
-                             "gemv[<W>x<U>p<0|1>[t<1|2>]][_smsN][_pdl][_loraR]_<fmt>, "
+                             "gemv[<W>x<U>p<0|1>[t<1|2>][k<S>]][_smsN][_pdl][_loraR]_<fmt>, "
                              "dequant_cublas_<fmt>, legacy_triton_<fmt> (fmt: nvfp4 or mxfp4)")
 
 
-def gemv_variant(method: str) -> tuple[int, ...] | None:
-    """The ``Fp4Gemv`` variant a ``gemv*`` method names: ``gemv4x1p0t2_pdl_nvfp4`` ->
-    ``(4, 1, 0, 2)``; None (the shape's default) for plain ``gemv``."""
+def gemv_variant(method: str) -> tuple[tuple[int, ...] | None, int | None]:
+    """The ``Fp4Gemv`` variant and split of K a ``gemv*`` method names: ``gemv4x1p0t2_pdl_nvfp4``
+    -> ``((4, 1, 0, 2), 1)``, ``gemv8x4p0k4_nvfp4`` -> ``((8, 4, 0, 1), 4)``; ``(None, None)``
+    (the shape's defaults) for plain ``gemv``."""
     head = method.split("_")[0]
     if head == "gemv":
-        return None
+        return None, None
     match = GEMV_VARIANT.fullmatch(head)
     if match is None:
-        raise ValueError(f"unknown method {method!r}: a GEMV variant is gemv<W>x<U>p<0|1>[t<1|2>]")
-    return tuple(int(v) for v in match.groups(default="1"))
+        raise ValueError(f"unknown method {method!r}: a GEMV variant is "
+                         "gemv<W>x<U>p<0|1>[t<1|2>][k<S>]")
+    *variant, split = (int(v) for v in match.groups(default="1"))
+    return tuple(variant), split
 
 
 def _gemm(method: str, fmt: str, t: dict):
     """The GEMM object a ``humming*`` / ``gemv*`` method times: ``humming[_bf16s][_pdl]_<fmt>``
     (humming's ``ct`` or ``bf16_scales`` copy, tuned configs where the file has them),
-    ``gemv[WxUpP[tT]][_pdl]_<fmt>`` (our FP4 GEMV, :mod:`qerl.kernels.fp4_gemv`, with W warps
-    a CTA, U steps a batch, pipelined P = 0 / 1, T tiles a CTA; its default for the shape without
-    ``WxUpP``; ``_loraR``: with a rank-R LoRA inside its launch)."""
+    ``gemv[WxUpP[tT][kS]][_pdl]_<fmt>`` (our FP4 GEMV, :mod:`qerl.kernels.fp4_gemv`, with W
+    warps a CTA, U steps a batch, pipelined P = 0 / 1, T tiles a CTA, K split over S CTAs; its
+    defaults for the shape without ``WxUpP``; ``_loraR``: with a rank-R LoRA inside its launch)."""
     member = [(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"))]
     head = method.split("_")[0]
     if head == "humming":
@@ -224,7 +227,8 @@ def _gemm(method: str, fmt: str, t: dict):
                           layout="bf16_scales" if "bf16s" in method.split("_") else "ct")
     from qerl.kernels.fp4_gemv import Fp4Gemv
 
-    return Fp4Gemv(fmt, member, variant=gemv_variant(method))
+    variant, split = gemv_variant(method)
+    return Fp4Gemv(fmt, member, variant=variant, split_k=split)
 
 
 def check_accuracy(method: str, n: int, k: int, m: int, legacy=None) -> float:
@@ -254,7 +258,14 @@ def run_shapes(args, results: dict, dump, legacy) -> None:
     methods = args.methods.split(",")
     if legacy is not None:
         methods += ["legacy_triton_nvfp4"]
+    only = set(args.only.split(",")) if args.only else None
+    names = {name for name, _, _ in model_gemm_shapes(args.model)}
+    if only is not None and not only <= names:
+        raise SystemExit(f"--only: {sorted(only - names)} not layers of {args.model} "
+                         f"({', '.join(sorted(names))})")
     for name, n, k in model_gemm_shapes(args.model):
+        if only is not None and name not in only:
+            continue
         for m in [int(v) for v in args.ms.split(",")]:
             for method in methods:
                 try:
@@ -512,6 +523,8 @@ def main() -> None:  # pragma: no cover - GPU only
                     help="only the decode GEMMs on 1/4, 1/2, 3/4 and all of the multiprocessors")
     ap.add_argument("--halves", action="store_true",
                     help="only gate/up and down as one GEMM or two halves (in turn, or at once)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated layers of --model to time (qkv, o, gate_up, down); all if left out")
     ap.add_argument("--launch", default=None, choices=("qkv", "o", "gate_up", "down"),
                     help="only three plain calls of that GEMM (for a profiler)")
     ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"),

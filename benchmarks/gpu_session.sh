@@ -108,7 +108,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/kernels/test_fp4_gemv_lora.py \
         tests/rollout/test_fast_engine.py::test_gpu_gemv_rollout_matches_teacher_forcing 2>&1 | tail -15
       echo "pytest rc=${PIPESTATUS[0]}"
-      [ $phase = gemvtests ] || timeout ${GEMV_TIMEOUT:-200} python3 benchmarks/fp4_matmul.py --model ${GEMV_MODEL:-7b} --ms ${GEMV_MS:-1,4} \
+      [ $phase = gemvtests ] || timeout ${GEMV_TIMEOUT:-200} python3 benchmarks/fp4_matmul.py --model ${GEMV_MODEL:-7b} --ms ${GEMV_MS:-1,4} ${GEMV_ONLY:+--only $GEMV_ONLY} \
         --methods ${GEMV_METHODS:-cublas_bf16,humming_bf16s_pdl_nvfp4,gemv4x1p0_pdl_nvfp4,gemv4x2p0_pdl_nvfp4,gemv8x1p0_pdl_nvfp4,gemv8x2p0_pdl_nvfp4,gemv8x4p0_pdl_nvfp4,gemv16x2p0_pdl_nvfp4,gemv4x2p1_pdl_nvfp4,gemv8x1p1_pdl_nvfp4,gemv8x2p1_pdl_nvfp4,gemv_pdl_mxfp4} \
         --json "$OUT/fp4_gemv_${GEMV_MODEL:-7b}.json" ;;
     micro)

@@ -40,10 +40,12 @@ def test_fp4_matmul_gemv_variant_names() -> None:
         import fp4_matmul
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert fp4_matmul.gemv_variant("gemv4x1p0t2_pdl_nvfp4") == (4, 1, 0, 2)
-    assert fp4_matmul.gemv_variant("gemv8x2p1_sms124_pdl_mxfp4") == (8, 2, 1, 1)
-    assert fp4_matmul.gemv_variant("gemv_sms124_pdl_nvfp4") is None
-    assert fp4_matmul.gemv_variant("gemv8x2p0_pdl_lora96_nvfp4") == (8, 2, 0, 1)
+    assert fp4_matmul.gemv_variant("gemv4x1p0t2_pdl_nvfp4") == ((4, 1, 0, 2), 1)
+    assert fp4_matmul.gemv_variant("gemv8x2p1_sms124_pdl_mxfp4") == ((8, 2, 1, 1), 1)
+    assert fp4_matmul.gemv_variant("gemv_sms124_pdl_nvfp4") == (None, None)
+    assert fp4_matmul.gemv_variant("gemv8x2p0_pdl_lora96_nvfp4") == ((8, 2, 0, 1), 1)
+    assert fp4_matmul.gemv_variant("gemv8x4p0k6_pdl_nvfp4") == ((8, 4, 0, 1), 6)
+    assert fp4_matmul.gemv_variant("gemv4x1p0t2k3_nvfp4") == ((4, 1, 0, 2), 3)
     fp4_matmul.check_methods(["cublas_bf16", "humming_bf16s_pdl_nvfp4", "gemv16x2p0_pdl_nvfp4",
                               "gemv_pdl_mxfp4", "dequant_cublas_nvfp4", "legacy_triton_nvfp4",
-                              "gemv_pdl_lora32_nvfp4"])
+                              "gemv_pdl_lora32_nvfp4", "gemv8x4p0k4_pdl_nvfp4"])

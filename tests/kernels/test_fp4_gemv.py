@@ -148,6 +148,12 @@ def test_bad_inputs_raise_before_any_work() -> None:
         with pytest.raises(ValueError, match="variant must be ints"):
             Fp4Gemv("nvfp4", _members(t), variant=bad)
     assert Fp4Gemv("nvfp4", _members(t), variant=(4, 1, 0)).variant == (4, 1, 0, 1)
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match="split_k must be an int in 1..16"):
+            Fp4Gemv("nvfp4", _members(t), split_k=bad)
+    plain, split = Fp4Gemv("nvfp4", _members(t)), Fp4Gemv("nvfp4", _members(t), split_k=3)
+    assert plain.split_k == 1 and plain.nbytes() == 32 * 4  # its column factors
+    assert split.nbytes() == 32 * 4 + 32 * MAX_M * 4 + 2 * 4  # + [N, 8] sums, 2 tile counters
     g = Fp4Gemv("nvfp4", _members(t))
     with pytest.raises(ValueError, match="x must be bf16"):
         g(torch.zeros(MAX_M + 1, 256, dtype=torch.bfloat16))
@@ -170,6 +176,11 @@ def test_variant_and_preference_by_shape() -> None:
     assert fp4_gemv.default_variant(3584, 18944, sms=100) == (8, 1, 0, 1)  # long K
     assert fp4_gemv.default_variant(3584, 3584, sms=100) == (8, 2, 0, 1)
     assert fp4_gemv.preferred(4608, 3584) and not fp4_gemv.preferred(3584, 18944)
+    assert fp4_gemv.preferred(3584, 18944, long_k=True)
+    # K split over CTAs only where K is long and the tiles few (the 7B down projection)
+    assert fp4_gemv.default_split_k(3584, 18944) == 4
+    assert fp4_gemv.default_split_k(4608, 3584) == 1
+    assert fp4_gemv.default_split_k(37888, 18944) == 1  # 2,368 tiles spread well without it
     # a variant whose staged activations would not fit 48 KiB takes fewer steps a batch
     assert fp4_gemv._fitting((16, 4, 1, 1), 8) == (16, 1, 1, 1)
     assert fp4_gemv._fitting((8, 2, 0, 2), 1) == (8, 2, 0, 2)
@@ -238,14 +249,38 @@ def test_stacked_weights_into_a_strided_output(fmt: str, pdl: bool, sms, variant
 
 
 @gpu
-@pytest.mark.parametrize("variant", [None, (4, 1, 0, 2)])
-def test_cuda_graph_replay_with_pdl_after_the_writer_of_x(variant) -> None:
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("split", [2, 3, 7])
+@pytest.mark.parametrize("variant,sms", [((8, 4, 0, 1), None), ((4, 1, 0, 2), None),
+                                         ((8, 2, 1, 1), 2)])
+def test_split_k_against_float32(fmt: str, split: int, variant, sms) -> None:
+    """K split over ``split`` CTAs a group of tiles (7 x 8 warps: more warps than the 20 steps
+    of K, some with none), stacked weights (a pair of tiles straddling two), 1-8 rows, launched
+    back to back with PDL (``sms=2``: a few CTAs looping over the items): every launch equals
+    the reference, and the workspace and counters are zeros after them (the next launch's
+    start)."""
+    k = 2560
+    ts = [_quant(208, k, fmt, device="cuda"), _quant(57, k, fmt, device="cuda", scale=0.1)]
+    g = Fp4Gemv(fmt, [m for t in ts for m in _members(t)], variant=variant, split_k=split)
+    for m in (1, 3, 8, 1):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = g(x, pdl=True, sms=sms)
+        assert _rel(y, _ref(x, ts, fmt)) < TOL, m
+        assert _rel(y[:, 208:], _ref(x, ts[1:], fmt)) < TOL, m
+    torch.cuda.synchronize()
+    sums, counters = g._split
+    assert not sums.any() and not counters.any()
+
+
+@gpu
+@pytest.mark.parametrize("variant,split", [(None, None), ((4, 1, 0, 2), None), (None, 3)])
+def test_cuda_graph_replay_with_pdl_after_the_writer_of_x(variant, split) -> None:
     """Captured behind the kernels that write its input, launched with programmatic dependent
     launch: every replay reads the new input. (A torch writer lets it start only at its end; the
     engine's Triton writers let it start earlier, which
     ``test_gpu_gemv_rollout_matches_teacher_forcing`` covers.)"""
     t = _quant(640, 1024, "nvfp4", device="cuda")
-    g = Fp4Gemv("nvfp4", _members(t), variant=variant)
+    g = Fp4Gemv("nvfp4", _members(t), variant=variant, split_k=split)
     src = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     x = torch.empty_like(src)
     out = torch.empty(1, 640, device="cuda", dtype=torch.bfloat16)
@@ -257,6 +292,7 @@ def test_cuda_graph_replay_with_pdl_after_the_writer_of_x(variant) -> None:
         x.copy_(src)
         x.mul_(2.0)
         g(x, out=out, pdl=True)
+        g(x, out=out, pdl=True)  # back to back with itself: the split's sums meet in one place
     for _ in range(3):
         src.copy_(torch.randn_like(src))
         graph.replay()

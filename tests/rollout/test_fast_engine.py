@@ -332,6 +332,9 @@ def test_bad_engine_options() -> None:
             FastEngine(lora_sms=bad)
     with pytest.raises(ValueError, match="lora_end_wait must be one or all"):
         FastEngine(lora_end_wait="none")
+    with pytest.raises(ValueError, match="gemv_long_k must be True, False or None"):
+        FastEngine(gemv_long_k="down")
+    assert FastEngine(gemv_long_k=None).gemv_long_k is False
     for bad in (-1, 9, True, 1.0):
         with pytest.raises(ValueError, match="gemv_max_m must be an int in 0..8"):
             FastEngine(gemv_max_m=bad)
@@ -700,11 +703,14 @@ def test_gpu_gemv_rollout_matches_teacher_forcing(fmt: str, n_rows: int) -> None
     errs = {}
     runs = [(0, "fused"), (8 if n_rows == 8 else 1, "fused")]  # humming alone, then the GEMV
     runs += [(1, "gemv")] if n_rows == 1 else []  # the LoRA inside the GEMV's launch
+    runs += [(1, "long_k")] if n_rows == 1 else []  # the down projection too, K split over CTAs
     for gemv_max_m, lora_kernel in runs:
-        eng = FastEngine(gemv_max_m=gemv_max_m, lora_kernel=lora_kernel)
+        long_k = lora_kernel == "long_k"
+        eng = FastEngine(gemv_max_m=gemv_max_m, gemv_long_k=long_k,
+                         lora_kernel="fused" if long_k else lora_kernel)
         out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
         assert eng.last_stats["cuda_graph"]
-        assert eng.last_stats["gemv_groups"] == (wanted * 2 if gemv_max_m else 0)
+        assert eng.last_stats["gemv_groups"] == ((wanted + long_k) * 2 if gemv_max_m else 0)
         inside = gemv_max_m and lora_kernel == "gemv"
         assert eng.last_stats["lora_in_gemv"] == (wanted * 2 if inside else 0)
         errs[gemv_max_m, lora_kernel] = (

@@ -38,6 +38,12 @@
 // launch (acquire) and stages the shrink's rows; every tile adds the expand before it stores. A
 // CTA does its items before it waits, and the grid is at most what the GPU holds at once, so
 // every CTA, and with it every item, runs: each launch finishes.
+// SPLITK (0: off; 1: the runtime ks may be above 1): K split over ks CTAs a group of tiles (a
+// short N with a long K, the 7B down projection's 224 tiles on 132 multiprocessors): each adds
+// its partial sums into a float32 workspace [N, 8] (atomics at L2), then counts itself on the
+// group's counter; the last of the ks takes the sums out (atomicExch leaves zeros behind),
+// resets the counter and stores. Nothing waits, so any grid finishes; the workspace and counters
+// are zeros between launches (launches of one GEMV must not overlap: one stream).
 // Requirements (checked by the Python side): K % 128 == 0, x rows contiguous, M <= 8; LORA: at
 // least the largest member rank (a member's window [rs_i, rs_i + LORA) is read below R: its
 // columns of other members are zeros on its rows).
@@ -64,6 +70,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef LORA
 #define LORA 0
+#endif
+#ifndef SPLITK
+#define SPLITK 0
 #endif
 #ifdef MINB  // CTAs a multiprocessor must hold (the LoRA variants: the plain one's occupancy)
 #define BOUNDS __launch_bounds__(NWARPS * 32, MINB)
@@ -220,6 +229,7 @@ static_assert(NWARPS * UNR * MROWS * 256 + NWARPS * 512 * FT
                   + (LORA ? FT * (LORA * 32 + 64 * MROWS) + MROWS * 12 * LORA + 8 : 0) <= 48 * 1024,
               "shared memory (fp4_gemv.py's _smem_bytes)");
 static_assert(LORA % 8 == 0 && LORA <= 128, "LORA: a multiple of 8 up to 128");
+static_assert(!(LORA && SPLITK), "a launch with LoRA does not split K");
 
 __device__ __forceinline__ u64 load_acquire(const u64* p) {
   u64 v;
@@ -320,6 +330,35 @@ __device__ __forceinline__ void lora_expand(const float* xa, int R, int row0, in
   }
 }
 
+// A split group's partial sums y (warp 0's lanes, the mma layout) added into the workspace; for
+// the last of its ks CTAs to count itself, the group's whole sums (taken out, leaving zeros) and
+// true, else false (nothing to store).
+__device__ __forceinline__ bool split_last(float (&y)[FT][4], int row0, int g, int t, int M,
+                                           int N, float* ws, unsigned* cnt, int ks) {
+#pragma unroll
+  for (int f = 0; f < FT; ++f)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 2 * t + (i & 1), n = row0 + 16 * f + g + ((i & 2) ? 8 : 0);
+      if (m < M && n < N) atomicAdd(ws + (u64)n * ACC_ROWS + m, y[f][i]);
+    }
+  __threadfence();  // the sums before the count (release)
+  __syncwarp();
+  unsigned before = 0;
+  if (threadIdx.x == 0) before = atomicAdd(cnt, 1u);
+  if (__shfl_sync(0xFFFFFFFFu, before, 0) != (unsigned)ks - 1) return false;
+  __threadfence();  // the count before the sums (acquire)
+#pragma unroll
+  for (int f = 0; f < FT; ++f)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 2 * t + (i & 1), n = row0 + 16 * f + g + ((i & 2) ? 8 : 0);
+      if (m < M && n < N) y[f][i] = atomicExch(ws + (u64)n * ACC_ROWS + m, 0.f);
+    }
+  if (threadIdx.x == 0) *cnt = 0u;  // seen by the next launch, which starts after this one ends
+  return true;
+}
+
 struct Step {
   U4 a[FT], b[FT];           // 32 codes of feature g and of feature g + 8 of each tile
   u32 sa[FT][2], sb[FT][2];  // their group scales as f16x2
@@ -332,7 +371,7 @@ extern "C" __global__ void BOUNDS
              const u8* __restrict__ s2, int end0, int end1, const float* __restrict__ colscale,
              u16* __restrict__ out, int M, int N, int K, int ldo, int mx_bias,
              const U4* __restrict__ la, const u16* __restrict__ lb, float* lacc, u64* lcnt,
-             int R, int split, int rs0, int rs1, int rs2) {
+             int R, int split, int rs0, int rs1, int rs2, float* ksws, unsigned* kscnt, int ksplit) {
   __shared__ U4 xs[NWARPS][UNR][MROWS][16];  // a warp's activations of its UNR steps, f16 pairs
   __shared__ float red[NWARPS][32][FT][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -353,10 +392,17 @@ extern "C" __global__ void BOUNDS
 #else
   const int sgroups = K >> 4;
 #endif
-  // Persistent over groups of FT tiles of 16 features (a grid smaller than the groups leaves room
-  // beside it).
-  for (int tile = blockIdx.x, first_tile = 1; tile * 16 * FT < N;
-       tile += gridDim.x, first_tile = 0) {
+  // Persistent over items (groups of FT tiles of 16 features, times ks parts of K with SPLITK; a
+  // grid smaller than the items leaves room beside it). K's steps go round the vwarps warps of an
+  // item's ks CTAs; this warp is the vw-th.
+#if SPLITK
+  const int ks = ksplit, vwarps = NWARPS * ks;
+#else
+  const int ks = 1, vwarps = NWARPS;  // ksplit is 1
+#endif
+  const int items = (N + 16 * FT - 1) / (16 * FT) * ks;
+  for (int item = blockIdx.x, first_tile = 1; item < items; item += gridDim.x, first_tile = 0) {
+    const int tile = item / ks, vw = (item - tile * ks) * NWARPS + warp;
     const int row0 = tile * 16 * FT;
     Rows rows[FT];
 #pragma unroll
@@ -367,7 +413,7 @@ extern "C" __global__ void BOUNDS
     auto load_w = [&](Step (&s)[UNR], int first) {
 #pragma unroll
       for (int u = 0; u < UNR; ++u) {
-        const int st = first + u * NWARPS;
+        const int st = first + u * vwarps;
         if (st < steps) {
 #pragma unroll
           for (int f = 0; f < FT; ++f) {
@@ -387,7 +433,7 @@ extern "C" __global__ void BOUNDS
     auto load_x = [&](Step (&s)[UNR], int first) {
 #pragma unroll
       for (int u = 0; u < UNR; ++u) {
-        const int st = first + u * NWARPS;
+        const int st = first + u * vwarps;
 #pragma unroll
         for (int i = 0; i < XR; ++i) {
           const int row = 2 * i + (lane >> 4);
@@ -404,14 +450,14 @@ extern "C" __global__ void BOUNDS
 #pragma unroll
         for (int i = 0; i < XR; ++i) {
           const int row = 2 * i + (lane >> 4);
-          if (row < M && first + u * NWARPS < steps)
+          if (row < M && first + u * vwarps < steps)
             xs[warp][u][row][lane & 15] = pair_order(s[u].xr[i]);
         }
       }
       __syncwarp();
 #pragma unroll
       for (int u = 0; u < UNR; ++u) {
-        if (first + u * NWARPS < steps) {
+        if (first + u * vwarps < steps) {
           U4 xb[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -429,7 +475,7 @@ extern "C" __global__ void BOUNDS
     };
 
     Step cur[UNR];
-    load_w(cur, warp);  // the weights do not depend on the kernel before: load them before waiting
+    load_w(cur, vw);  // the weights do not depend on the kernel before: load them before waiting
 #if LORA
     // the tiles' rows of B in their member's rank window, into registers now (staged in shared
     // memory for the expand at the end of the tile, without a round trip there)
@@ -452,27 +498,27 @@ extern "C" __global__ void BOUNDS
     }
 #endif
     if (first_tile) asm volatile("griddepcontrol.wait;" ::: "memory");
-    load_x(cur, warp);
+    load_x(cur, vw);
     if (first_tile) asm volatile("griddepcontrol.launch_dependents;");
 #if PIPE
     // Two batches of UNR steps in flight: the next one loads while this one computes.
     Step nxt[UNR];
-    for (int first = warp; first < steps; first += 2 * NWARPS * UNR) {
-      const int second = first + NWARPS * UNR;
+    for (int first = vw; first < steps; first += 2 * vwarps * UNR) {
+      const int second = first + vwarps * UNR;
       load_w(nxt, second);
       load_x(nxt, second);
       compute(cur, first);
       if (second >= steps) break;
-      load_w(cur, second + NWARPS * UNR);
-      load_x(cur, second + NWARPS * UNR);
+      load_w(cur, second + vwarps * UNR);
+      load_x(cur, second + vwarps * UNR);
       compute(nxt, second);
     }
 #else
     // One batch in flight (fewer registers, more warps): load the next batch after this one.
-    for (int first = warp; first < steps; first += NWARPS * UNR) {
+    for (int first = vw; first < steps; first += vwarps * UNR) {
       compute(cur, first);
-      load_w(cur, first + NWARPS * UNR);
-      load_x(cur, first + NWARPS * UNR);
+      load_w(cur, first + vwarps * UNR);
+      load_x(cur, first + vwarps * UNR);
     }
 #endif
     // Sum the warps' partial tiles, then write the M valid columns.
@@ -503,23 +549,32 @@ extern "C" __global__ void BOUNDS
 #endif
     __syncthreads();
     if (warp == 0) {
+      float y[FT][4], add[FT][4] = {};
 #pragma unroll
       for (int f = 0; f < FT; ++f) {
-        float y4[4], add[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) y4[i] = red[0][lane][f][i];
+        for (int i = 0; i < 4; ++i) y[f][i] = red[0][lane][f][i];
 #pragma unroll
         for (int v = 1; v < NWARPS; ++v)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) y4[i] += red[v][lane][f][i];
+          for (int i = 0; i < 4; ++i) y[f][i] += red[v][lane][f][i];
 #if LORA
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int m = 2 * t + (i & 1);
-          if (m < M) add[i] = ladd[16 * f + g + ((i & 2) ? 8 : 0)][m];
+          if (m < M) add[f][i] = ladd[16 * f + g + ((i & 2) ? 8 : 0)][m];
         }
 #endif
-        store_tile(y4, add, row0 + 16 * f, g, t, M, N, colscale, out, ldo);
+      }
+#if SPLITK
+      const bool store = ks == 1 || split_last(y, row0, g, t, M, N, ksws, kscnt + tile, ks);
+#else
+      const bool store = true;
+#endif
+      if (store) {
+#pragma unroll
+        for (int f = 0; f < FT; ++f)
+          store_tile(y[f], add[f], row0 + 16 * f, g, t, M, N, colscale, out, ldo);
       }
     }
     __syncthreads();  // red is rewritten by the next tile

@@ -22,21 +22,18 @@ NVRTC library). CPU installs never compile it; :func:`supports` says where it ru
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import threading
 from collections.abc import Sequence
-from importlib import resources
 
 import torch
 
+from qerl.kernels.fp4_gemv_build import kernel_function, launch
 from qerl.quant.formats import FORMATS
 
-__all__ = ["MAX_M", "STEP_K", "Fp4Gemv", "default_variant", "mx_bias", "preferred", "supports"]
+__all__ = ["MAX_M", "STEP_K", "Fp4Gemv", "default_split_k", "default_variant", "mx_bias",
+           "preferred", "supports"]
 
 MAX_M = 8  # columns of the tensor-core tile the activations occupy
 STEP_K = 128  # K a warp covers per step: K must be a multiple
-_LOCK = threading.Lock()
 
 
 def supports(fmt: str, k: int, m: int, dtype: torch.dtype, device: torch.device | None = None) -> bool:
@@ -70,11 +67,19 @@ def default_variant(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]
     return (8, 1, 0, 1) if k // STEP_K >= 64 else (8, 2, 0, 1)
 
 
-def preferred(n: int, k: int) -> bool:
+def preferred(n: int, k: int, long_k: bool = False) -> bool:
     """Whether the GEMV is the faster kernel for an ``n x k`` weight at one row: not for a long K
     (the 7B down projection, K = 18,944: 23.4 against humming's 21.4 us in run 68 of
-    docs/benchmarks.md, where q/k/v, o and gate/up were 11-36 % faster)."""
-    return k // STEP_K < 64
+    docs/benchmarks.md, where q/k/v, o and gate/up were 11-36 % faster) unless ``long_k`` (K
+    split over several CTAs, :func:`default_split_k`: not measured in a rollout yet)."""
+    return long_k or k // STEP_K < 64
+
+
+def default_split_k(n: int, k: int, sms: int = 132) -> int:
+    """CTAs that split the K of each group of tiles: 1 (none) where K is short; for a long K with
+    few tiles (the 7B down projection: 224 tiles of 16 features, 148 steps of 128 inputs, on 132
+    multiprocessors) 4, so that the CTAs are small and many enough to spread evenly."""
+    return 4 if k // STEP_K >= 64 and -(-n // 16) <= 4 * sms else 1
 
 
 def mx_bias(scale: torch.Tensor) -> int:
@@ -106,11 +111,14 @@ class Fp4Gemv:
         variant: ``(warps a CTA, steps a warp loads at once, pipelined 0 / 1, tiles of 16
             features a CTA computes at once: 1 / 2)`` (a 3-tuple means one tile);
             :func:`default_variant` if None.
+        split_k: CTAs that split K for each group of tiles (1..16; the partial sums meet in a
+            float32 workspace of this GEMM, so its launches must not overlap: one stream);
+            :func:`default_split_k` if None. Launches with a LoRA do not split.
     """
 
     def __init__(self, fmt: str, members: Sequence[tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor | None]],
-                 variant: tuple[int, ...] | None = None) -> None:
+                 variant: tuple[int, ...] | None = None, split_k: int | None = None) -> None:
         if fmt not in ("nvfp4", "mxfp4"):
             raise ValueError(f"Fp4Gemv: fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
         _check_members(fmt, members)
@@ -129,6 +137,15 @@ class Fp4Gemv:
         self.column_factor = _column_factor(fmt, members, self.n_sizes, self.mx_bias, self.device)
         self._sms = _multiprocessors(self.device)
         self.variant = variant or default_variant(self.n, self.k, self._sms)
+        self.split_k = default_split_k(self.n, self.k, self._sms) if split_k is None else split_k
+        if type(self.split_k) is not int or not 1 <= self.split_k <= 16:
+            raise ValueError(f"Fp4Gemv: split_k must be an int in 1..16 or None, got {split_k!r}")
+        # the split's meeting place ([N, 8] float32 sums, a counter a group of tiles): zeros
+        # between launches (the last CTA of a group leaves them so)
+        groups = -(-self.n // (16 * self.variant[3]))
+        self._split = ((torch.zeros(self.n * MAX_M, device=self.device),
+                        torch.zeros(groups, dtype=torch.int32, device=self.device))
+                       if self.split_k > 1 else None)
         ptrs = [p for w, s in zip(self.weights, self.scales, strict=True)
                 for p in (w.data_ptr(), s.data_ptr())]
         ends = [sum(self.n_sizes[:1]), sum(self.n_sizes[:2])]  # members 2 and 3 start there
@@ -138,7 +155,8 @@ class Fp4Gemv:
 
     def nbytes(self) -> int:
         """Bytes this GEMM adds to the weights it reads in place (its column factors)."""
-        return self.column_factor.numel() * self.column_factor.element_size()
+        extra = [self.column_factor, *(self._split or ())]
+        return sum(t.numel() * t.element_size() for t in extra)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  pdl: bool = False, sms: int | None = None,
@@ -171,15 +189,18 @@ class Fp4Gemv:
             raise ValueError(f"Fp4Gemv: sms must be a positive number of multiprocessors or "
                              f"None (None with lora), got {sms}")
         window = 0 if lora is None else lora[0].check(self, *lora[1:])
+        ks = self.split_k if lora is None else 1
         warps, unr, pipe, ft = _fitting(self.variant, m, window)
-        key = (warps, unr, pipe, ft, _mrows(m), window)
+        key = (warps, unr, pipe, ft, _mrows(m), window, int(ks > 1))
         if key not in self._functions:  # the process-wide lookup once per instance and variant
-            self._functions[key] = _function(self.fmt == "mxfp4", *key[:5], x.device.index or 0,
-                                             warps * 32, window)
+            self._functions[key] = kernel_function(self.fmt == "mxfp4", *key[:5],
+                                                   x.device.index or 0, warps * 32, window, key[6])
         fn, per_sm = self._functions[key]
         groups = -(-self.n // (16 * ft))  # what one CTA computes at once
+        split = (self._split[0].data_ptr(), self._split[1].data_ptr(), ks) if ks > 1 else (0, 0, 1)
         if lora is None:
-            grid, extra = groups if sms is None else min(groups, sms * per_sm), _NO_LORA
+            items = groups * ks
+            grid, extra = items if sms is None else min(items, sms * per_sm), _NO_LORA
         else:  # persistent CTAs (one wait each), as many as the first launch could hold at once;
             # a CTA does its shrink items before it waits: all finish if the items or CTAs fit
             grid = lora[0].launch_grid(min(groups, per_sm * self._sms))
@@ -189,9 +210,9 @@ class Fp4Gemv:
                                  f"at {m} rows (the launch could wait forever): one state a row "
                                  "count, a lower rank or a shorter K")
             extra = lora[0].args(*lora[1:])
-        _launch(fn, grid, warps * 32, x.device, pdl,
+        launch(fn, grid, warps * 32, x.device, pdl,
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
-                 out.stride(0), self.mx_bias, *extra))
+                 out.stride(0), self.mx_bias, *extra, *split))
         return out
 
 
@@ -250,17 +271,7 @@ def _check_members(fmt: str, members) -> None:
                              f"rows; got {[int(m[0].shape[0]) for m in members]}")
 
 
-_ARG_TYPES = ((ctypes.c_void_p,) * 7 + (ctypes.c_int,) * 2 + (ctypes.c_void_p,) * 2
-              + (ctypes.c_int,) * 5 + (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5)
 _NO_LORA = (0, 0, 0, 0, 0, 0, 0, 0, 0)
-
-
-def _check(result, what: str):
-    """cuda-bindings calls return ``(status, *values)``: the values, or an error naming ``what``."""
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status) != 0:
-        raise RuntimeError(f"fp4_gemv: {what} failed ({status!r})")
-    return values[0] if len(values) == 1 else (values or None)
 
 
 def _mrows(m: int) -> int:
@@ -289,87 +300,3 @@ def _fitting(variant: tuple[int, int, int, int], m: int,
                          f"{_smem_bytes(warps, unr, ft, _mrows(m), lora)} bytes of shared memory, "
                          "more than 48 KiB: use fewer warps or one tile a CTA")
     return warps, unr, pipe, ft
-
-
-@functools.cache
-def _cubin(mx: bool, warps: int, unr: int, pipe: int, ft: int, mrows: int, arch: str,
-           lora: int = 0, minb: int = 0) -> bytes:
-    """The kernel compiled by NVRTC for ``arch`` (e.g. ``sm_90``); ``lora``: with the LoRA of
-    that rank window; ``minb``: at least that many CTAs a multiprocessor (registers capped)."""
-    from cuda.bindings import nvrtc
-
-    src = resources.files("qerl.kernels").joinpath("fp4_gemv.cu").read_bytes()
-    prog = _check(nvrtc.nvrtcCreateProgram(src, b"fp4_gemv.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DMX={int(mx)}".encode(),
-            f"-DNWARPS={warps}".encode(), f"-DUNR={unr}".encode(), f"-DPIPE={pipe}".encode(),
-            f"-DFT={ft}".encode(), f"-DMROWS={mrows}".encode(), f"-DLORA={lora}".encode()]
-    opts += [f"-DMINB={minb}".encode()] if minb else []
-    status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-    if int(status) != 0:
-        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        nvrtc.nvrtcDestroyProgram(prog)
-        raise RuntimeError(f"fp4_gemv: NVRTC could not compile the kernel:\n{log.decode()}")
-    size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-    nvrtc.nvrtcDestroyProgram(prog)
-    return cubin
-
-
-_FUNCTIONS: dict = {}
-
-
-def _function(mx: bool, warps: int, unr: int, pipe: int, ft: int, mrows: int, device: int,
-              block: int, lora: int = 0):
-    """The loaded kernel for the current CUDA context (compiled once per process and variant)
-    and how many of its CTAs of ``block`` threads one multiprocessor holds at once; ``lora``:
-    the variant with the LoRA of that rank window, held to the plain variant's occupancy."""
-    from cuda.bindings import driver
-
-    with torch.cuda.device(device):  # torch's primary context, current on this thread
-        torch.cuda.init()
-        ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        variant = (warps, unr, pipe, ft, mrows)
-        minb = _loaded(driver, ctx, mx, variant, device, block)[1] if lora else 0
-        return _loaded(driver, ctx, mx, variant, device, block, lora, minb)
-
-
-def _loaded(driver, ctx, mx: bool, variant: tuple[int, ...], device: int, block: int,
-            lora: int = 0, minb: int = 0):
-    key = (int(ctx), mx, *variant, lora)
-    with _LOCK:
-        hit = _FUNCTIONS.get(key)
-        if hit is None:
-            major, minor = torch.cuda.get_device_capability(device)
-            cubin = _cubin(mx, *variant, f"sm_{major}{minor}", lora, minb)
-            module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-            fn = _check(driver.cuModuleGetFunction(module, b"fp4_gemv"), "cuModuleGetFunction")
-            per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, 0),
-                            "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-            hit = _FUNCTIONS[key] = (fn, max(1, int(per_sm)))
-            _MODULES.append(module)
-    return hit
-
-
-_MODULES: list = []  # loaded modules stay loaded for the process (their functions are cached)
-
-
-def _launch(fn, grid: int, block: int, device: torch.device, pdl: bool, args) -> None:
-    """Launch ``fn`` on the current stream of ``device`` (with programmatic dependent launch when
-    ``pdl``: it may start while the kernel before it runs; it waits for it before reading ``x``)."""
-    from cuda.bindings import driver
-
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
-    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-    config.sharedMemBytes = 0
-    config.hStream = torch.cuda.current_stream(device).cuda_stream
-    if pdl:
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [attr]
-        config.numAttrs = 1
-    _check(driver.cuLaunchKernelEx(config, fn, (args, _ARG_TYPES), 0), "cuLaunchKernelEx")

@@ -6,7 +6,7 @@ returns the sampled tokens with the log-probabilities the *sampling* policy gave
 
 Log-prob convention (shared with the trainer, so the rollout-vs-trainer gap is meaningful):
 ``logprob[t] = log_softmax(logits[t] / temperature)[token[t]]`` -- temperature applied, top-p
-*not* renormalised (the same convention as TRL and verl).
+*not* renormalised (the same convention as TRL and verl); greedy decoding uses ``T = 1``.
 """
 
 from __future__ import annotations

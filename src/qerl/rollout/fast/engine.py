@@ -15,12 +15,11 @@ Adapter weights are copied at the start of every ``generate``; norm weights are 
 noise applied in place is seen by captured graphs; replaced tensors rebuild the plan.
 
 Waves: when the KV cache of all rows does not fit the memory budget (``kv_budget_gib``, else
-``kv_budget_fraction`` of the free device memory), rows run in waves of equal size (the last
-one padded with copies of its last row). Sampling uniforms are drawn once for the whole batch,
-one per row and step, so a row's result does not depend on how the batch was split.
+``kv_budget_fraction`` of the free device memory), rows run in waves of equal size (the last one
+padded with copies of its last row). Sampling uniforms are drawn once for the whole batch, one a
+row and step, so a row's result does not depend on how the batch was split.
 
-Log-prob convention (:mod:`qerl.rollout.base`): ``log_softmax(logits / T)[token]``, top-p not
-renormalised; greedy uses ``T = 1``.
+Log-probs (:mod:`qerl.rollout.base`): ``log_softmax(logits / T)[token]``, top-p not renormalised.
 """
 
 from __future__ import annotations
@@ -58,10 +57,10 @@ class FastEngine:
         use_cuda_graph: capture the decode step as a CUDA graph (CUDA only).
         check_every: decode steps between checks of "all rows done" (early exit; one host sync).
         cache_multiple: KV capacity rounded up to this, so graphs are reused across calls.
-        kv_budget_gib: memory for the rows of one wave (KV cache + sampling buffers); ``None``
-            uses ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
-        lora_overlap: LoRA on a side stream (CUDA); ``None``: only the cuBLAS pair (the side
-            stream never overlapped humming's GEMMs; the fused kernel is faster without it).
+        kv_budget_gib: memory for a wave's rows (KV cache, sampling buffers); ``None``: the
+            ``kv_budget_fraction`` of the free device memory (CUDA) or no limit (CPU).
+        lora_overlap: LoRA on a side stream (CUDA); ``None``: only the cuBLAS pair (it never
+            overlapped humming's GEMMs; the fused kernel is faster without it).
         lora_kernel: ``"fused"``: a group's LoRA in decode as one launch of
             :func:`qerl.rollout.fast.lora.fused_lora` where it applies (the ``triton`` backend, at
             most ``fused_lora_max_rows`` rows a wave, the kernel's first-use check passed);
@@ -75,27 +74,26 @@ class FastEngine:
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
         keep_state: keep the KV cache, sampling buffers and captured graph between calls (a
-            benchmark's repeated calls); by default they are released when ``generate`` returns, so
-            the memory sized from the free device memory goes back to the trainer's update (the
-            plan and the prepared 4-bit GEMM tensors are kept either way).
+            benchmark's); by default they go when ``generate`` returns, back to the trainer's
+            update (the plan and the prepared 4-bit GEMM tensors are kept either way).
         single_copy: hold the 4-bit weights once on the GPU (:mod:`qerl.rollout.fast.residency`):
-            humming's prepared copies exist only during ``generate`` (every row count, prefill
-            too, runs through them) while the trainer's buffers of those layers wait in pinned host
-            memory; costs one host round trip of the 4-bit weights and humming's preparation per
-            call. For models whose two copies would not fit (32B and larger on one GPU).
+            humming's copies exist only during ``generate`` (every row count runs through them)
+            while the trainer's buffers wait in pinned host memory; costs one host round trip of
+            the 4-bit weights and humming's preparation a call. For models whose two copies would
+            not fit (32B and larger on one GPU).
         pdl: launch the decode step's Triton kernels and humming's GEMMs with programmatic
             dependent launch (:mod:`qerl.rollout.fast.pdl`); ``None``: where supported
             (Hopper or later, compiled Triton, ``QERL_PDL`` not ``0``); ``True`` elsewhere raises.
         lora_sms: with PDL and the fused LoRA on the main stream, humming's decode GEMMs leave
             this many multiprocessors to the group's LoRA, which runs beside the GEMM (0: before
-            it; 8 was the fastest of 0 / 8 / 16 at 7B B=1 and B=64 and 32B B=32, run 38, and of
-            4 / 8 / 12 at 7B B=64, run 40); ``lora_end_wait``: ``"one"`` or ``"all"`` of its
-            programs wait for the GEMM at their end (:func:`qerl.rollout.fast.lora.fused_lora`;
-            run 40: "one" 4.32 vs 4.40 ms at 7B B=64, 13.59 vs 13.80 at 32B B=32; run 39: the same
-            at 7B B=1).
+            it; 8: the fastest of 0 / 8 / 16 and 4 / 8 / 12, runs 38 and 40); ``lora_end_wait``:
+            ``"one"`` or ``"all"`` of its programs wait for the GEMM at their end
+            (:func:`qerl.rollout.fast.lora.fused_lora`; "one": 1.5-2 % faster, runs 39-40).
         gemv_max_m: decode waves of at most this many rows (0: off; up to 8; measured at 1) run
             4-bit GEMMs through our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`, reading the weights in
-            place; not with ``single_copy``; 7B B=1, H100: 2.91 -> 2.74 ms a step).
+            place; not with ``single_copy``; 7B B=1, H100: 2.91 -> 2.74 ms a step) where K is
+            short, and with ``gemv_long_k`` the long-K groups too (the down projection: K split
+            over CTAs, :func:`qerl.kernels.fp4_gemv.default_split_k`).
     """
 
     name = "fast"
@@ -105,9 +103,9 @@ class FastEngine:
                  kv_budget_fraction: float = 0.85, lora_overlap: bool | None = None,
                  keep_state: bool = False, single_copy: bool = False,
                  attention_splits: int | None = None, lora_kernel: str = "fused",
-                 fused_lora_max_rows: int = FUSED_MAX_M,
-                 humming_layout: str = "bf16_scales", pdl: bool | None = None,
-                 lora_sms: int = 8, lora_end_wait: str = "one", gemv_max_m: int = 1) -> None:
+                 fused_lora_max_rows: int = FUSED_MAX_M, humming_layout: str = "bf16_scales",
+                 pdl: bool | None = None, lora_sms: int = 8, lora_end_wait: str = "one",
+                 gemv_max_m: int = 1, gemv_long_k: bool = False) -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "gemv", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -116,6 +114,7 @@ class FastEngine:
         bool_or_none("pdl", pdl)
         int_in("lora_sms", lora_sms, 64, lo=0)
         int_in("gemv_max_m", gemv_max_m, 8, lo=0)
+        bool_or_none("gemv_long_k", gemv_long_k, "False")
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
         if kv_budget_gib is not None and not kv_budget_gib > 0:
             raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
@@ -127,8 +126,8 @@ class FastEngine:
         self.lora_overlap, self.keep_state, self.single_copy = lora_overlap, keep_state, single_copy
         self.attention_splits, self.lora_kernel, self.fused_lora_max_rows, self.humming_layout = (
             attention_splits, lora_kernel, fused_lora_max_rows, humming_layout)
-        self.pdl, self.lora_sms, self.lora_end_wait, self.gemv_max_m = (pdl, lora_sms,
-                                                                         lora_end_wait, gemv_max_m)
+        self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
+        self.gemv_max_m, self.gemv_long_k = gemv_max_m, bool(gemv_long_k)
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -166,7 +165,8 @@ class FastEngine:
             for g in plan.groups():  # one group at a time, so single_copy never holds both copies
                 gm = gemms[id(g)] = GroupGemm(g, fp4, plan.dtype, humming_only=self.single_copy,
                                               layout=self.humming_layout,
-                                              gemv_max_m=self.gemv_max_m)
+                                              gemv_max_m=self.gemv_max_m,
+                                              gemv_long_k=self.gemv_long_k)
                 if self.single_copy and gm.humming is not None:
                     park_group(self._parking, g)
             self._gemms = gemms

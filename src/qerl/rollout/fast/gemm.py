@@ -3,7 +3,7 @@ scales still to apply when :attr:`GroupGemm.col_scale` is set).
 
 * all members FP4 of one format, ``gemv_max_m`` set and at most that many rows (decode at a
   small batch; backend ``humming``, bf16, Hopper or later; a shape where it beats humming,
-  :func:`qerl.kernels.fp4_gemv.preferred`): our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`), which
+  :func:`qerl.kernels.fp4_gemv.preferred`, or any with ``gemv_long_k``): our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`), which
   reads the members' stored tensors in place, the output finished (no column scales);
 * all members FP4 of one format, backend ``humming``, at most ``humming_max_m()`` rows (any
   number with ``humming_only``): one humming GEMM for the whole group (q/k/v or gate/up stacked
@@ -34,7 +34,8 @@ class GroupGemm:
     """Runs ``x @ W_i^T`` for every member ``i`` of ``group`` (see the module docstring)."""
 
     def __init__(self, group: Group, backend: str, dtype: torch.dtype,
-                 humming_only: bool = False, layout: str = "ct", gemv_max_m: int = 0) -> None:
+                 humming_only: bool = False, layout: str = "ct", gemv_max_m: int = 0,
+                 gemv_long_k: bool = False) -> None:
         self.group = group
         self.backend = backend
         self.dtype = dtype
@@ -47,7 +48,7 @@ class GroupGemm:
 
             m0 = group.members[0]
             if (fp4_gemv.supports(m0.fmt, m0.in_f, gemv_max_m, dtype, m0.fp4_tensors()[0].device)
-                    and fp4_gemv.preferred(group.out_f, group.in_f)):
+                    and fp4_gemv.preferred(group.out_f, group.in_f, gemv_long_k)):
                 try:  # built and run once here: a layout it cannot read, or no NVRTC, is
                     # found before any graph capture, and humming runs the group instead
                     self.gemv = fp4_gemv.Fp4Gemv(m0.fmt, [m.fp4_tensors() for m in group.members])
