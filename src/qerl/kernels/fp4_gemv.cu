@@ -36,8 +36,11 @@
 // (release). With its weights a CTA loads its tiles' rows of B (the member's window [rs, rs +
 // LORA)); before its first store it waits until the done count covers every shrink item of this
 // launch (acquire) and stages the shrink's rows; every tile adds the expand before it stores. A
-// CTA does its items before it waits, and the grid is at most what the GPU holds at once, so
-// every CTA, and with it every item, runs: each launch finishes.
+// CTA does its items before it waits, and the items it waits for are taken by CTAs that started
+// before it or start later: every launch finishes as long as all items or all CTAs fit on the
+// GPU at once (the grid is what the first launch of a state could hold; the Python side checks
+// min(split, grid) <= CTAs resident for every launch). A and B are read before the wait: they
+// must not be written by the kernel just before (the engine writes them between rollouts).
 // SPLITK (0: off; 1: the runtime ks may be above 1): K split over ks CTAs a group of tiles (a
 // short N with a long K, the 7B down projection's 224 tiles on 132 multiprocessors): each adds
 // its partial sums into a float32 workspace [N, 8] (atomics at L2), then counts itself on the
@@ -347,6 +350,7 @@ __device__ __forceinline__ bool split_last(float (&y)[FT][4], int row0, int g, i
   unsigned before = 0;
   if (threadIdx.x == 0) before = atomicAdd(cnt, 1u);
   if (__shfl_sync(0xFFFFFFFFu, before, 0) != (unsigned)ks - 1) return false;
+  __syncwarp();  // lane 0's read of the count before every lane's fence
   __threadfence();  // the count before the sums (acquire)
 #pragma unroll
   for (int f = 0; f < FT; ++f)
