@@ -172,8 +172,9 @@ def test_variant_and_preference_by_shape() -> None:
     assert fp4_gemv.default_variant(37888, 3584) == (4, 1, 0, 2)  # many CTAs, two tiles each
     assert fp4_gemv.default_variant(4608, 3584) == (8, 2, 0, 1)  # 288 tiles
     assert fp4_gemv.default_variant(3584, 3584) == (8, 4, 0, 1)  # 224: two CTAs a multiprocessor
-    assert fp4_gemv.default_variant(3584, 18944) == (8, 4, 0, 1)
-    assert fp4_gemv.default_variant(3584, 18944, sms=100) == (8, 1, 0, 1)  # long K
+    assert fp4_gemv.default_variant(3584, 18944) == (4, 2, 0, 1)  # long K: split over 4 CTAs
+    assert fp4_gemv.default_variant(37888, 18944) == (4, 1, 0, 2)  # long K, many tiles: unsplit
+    assert fp4_gemv.default_variant(8192, 18944, sms=100) == (8, 1, 0, 1)
     assert fp4_gemv.default_variant(3584, 3584, sms=100) == (8, 2, 0, 1)
     assert fp4_gemv.preferred(4608, 3584) and not fp4_gemv.preferred(3584, 18944)
     assert fp4_gemv.preferred(3584, 18944, long_k=True)

@@ -26,21 +26,17 @@
 // one load of the activations, which every CTA reads from L2).
 // LORA (0: off; else the rank window, a multiple of 8 up to 128): the group's LoRA in the same
 // launch, y += round_bf16(x A^T) B^T (A = a_cat [R, K], B = b_full [N, R] block diagonal, bf16).
-// Every CTA computes its tiles as without LoRA (persistent: the grid is what the GPU holds at
-// once, so the wait below comes once a CTA, not once a tile) and, while its first weights load,
-// takes a ticket from a 64-bit counter that only grows (ticket t is
+// Every CTA computes its tiles as without LoRA (one group of tiles a CTA: grid = groups) and,
+// while its first weights load, takes a ticket from a 64-bit counter that only grows (ticket t is
 // local ticket t mod grid of launch t div grid, in the order CTAs started): the first `split`
 // local tickets also do one shrink item each first (x A^T over 128 inputs and up to LORA_RB
 // ranks, added into the launch's float32 [8, R] buffer, one of two used by alternate launches;
 // they clear their share of the other one, whose readers are done), then count it done
-// (release). With its weights a CTA loads its tiles' rows of B (the member's window [rs, rs +
-// LORA)); before its first store it waits until the done count covers every shrink item of this
-// launch (acquire) and stages the shrink's rows; every tile adds the expand before it stores. A
-// CTA does its items before it waits, and the items it waits for are taken by CTAs that started
-// before it or start later: every launch finishes as long as all items or all CTAs fit on the
-// GPU at once (the grid is what the first launch of a state could hold; the Python side checks
-// min(split, grid) <= CTAs resident for every launch). A and B are read before the wait: they
-// must not be written by the kernel just before (the engine writes them between rollouts).
+// (release). Before its store a CTA loads its rows of B (the member's window [rs, rs + LORA)),
+// waits until the done count covers every shrink item of this launch (acquire) and adds the
+// expand. A CTA does its items before it waits, and the items it waits for are taken by CTAs
+// that start later, so every launch finishes as long as all items or all CTAs fit on the GPU at
+// once (checked by the Python side: min(split, grid) <= CTAs resident).
 // SPLITK (0: off; 1: the runtime ks may be above 1): K split over ks CTAs a group of tiles (a
 // short N with a long K, the 7B down projection's 224 tiles on 132 multiprocessors): each adds
 // its partial sums into a float32 workspace [N, 8] (atomics at L2), then counts itself on the
@@ -82,7 +78,6 @@ typedef unsigned long long u64;
 #else
 #define BOUNDS __launch_bounds__(NWARPS * 32)
 #endif
-#define BPER ((FT * 16 * LORA + NWARPS * 32 - 1) / (NWARPS * 32) + (LORA == 0))  // B a thread
 #define LORA_RB (NWARPS * 16)  // ranks a shrink item covers (8 a thread, 16 threads a rank)
 #define ACC_ROWS 8  // rows of a LoRA accumulator buffer (the kernel's most rows)
 
@@ -481,16 +476,6 @@ extern "C" __global__ void BOUNDS
     Step cur[UNR];
     load_w(cur, vw);  // the weights do not depend on the kernel before: load them before waiting
 #if LORA
-    // the tiles' rows of B in their member's rank window, into registers now (staged in shared
-    // memory for the expand at the end of the tile, without a round trip there)
-    u16 bpre[BPER];
-#pragma unroll
-    for (int j = 0; j < BPER; ++j) {
-      const int i = threadIdx.x + j * NWARPS * 32;
-      const int n = min(row0 + i / LORA, N - 1);
-      const int r = rank_start(n, end0, end1, rs0, rs1, rs2) + i % LORA;
-      bpre[j] = i < FT * 16 * LORA && r < R ? lb[(u64)n * R + r] : (u16)0;
-    }
     if (first_tile) {  // the ticket (while the weights load): the first `split` do the shrink
       if (threadIdx.x == 0) ticket_s = atomicAdd(lcnt, 1ull);
       __syncthreads();
@@ -531,22 +516,22 @@ extern "C" __global__ void BOUNDS
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][lane][f][i] = c[f][0][i] + c[f][1][i];
 #if LORA
-#pragma unroll
-    for (int j = 0; j < BPER; ++j)
-      if (threadIdx.x + j * NWARPS * 32 < FT * 16 * LORA)
-        reinterpret_cast<u16*>(bs)[threadIdx.x + j * NWARPS * 32] = bpre[j];
-    if (first_tile) {  // once a CTA: every shrink item of this launch is done; its rows, staged
-      if (threadIdx.x == 0) {
-        const u64 want = (launch + 1) * (u64)split;  // (and of the launches before)
-        while (load_acquire(lcnt + 1) < want) __nanosleep(100);  // few polls at the counter's L2
-        __threadfence();  // then the barrier: the CTA's reads of the buffer come after (as grid.sync)
-      }
-      __syncthreads();
-      for (int i = threadIdx.x; i < M * R; i += NWARPS * 32) {
-        float v;
-        asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(lbuf + i) : "memory");
-        lxa[i] = __uint_as_float(bf16_bits(v) << 16);
-      }
+    // the tiles' rows of B (their member's rank window), staged while the shrink items finish
+    for (int i = threadIdx.x; i < FT * 16 * LORA; i += NWARPS * 32) {
+      const int n = min(row0 + i / LORA, N - 1);
+      const int r = rank_start(n, end0, end1, rs0, rs1, rs2) + i % LORA;
+      reinterpret_cast<u16*>(bs)[i] = r < R ? lb[(u64)n * R + r] : (u16)0;
+    }
+    if (threadIdx.x == 0) {  // every shrink of this launch (and of the earlier ones) is done
+      const u64 want = (launch + 1) * (u64)split;
+      while (load_acquire(lcnt + 1) < want) __nanosleep(100);  // few polls at the counter's L2
+      __threadfence();  // then the barrier: the CTA's reads of the buffer come after (as grid.sync)
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < M * R; i += NWARPS * 32) {  // the shrink's rows: one round trip
+      float v;
+      asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(lbuf + i) : "memory");
+      lxa[i] = __uint_as_float(bf16_bits(v) << 16);
     }
     __syncthreads();
     lora_expand(lxa, R, row0, M, N, end0, end1, rs0, rs1, rs2, bs, ladd);

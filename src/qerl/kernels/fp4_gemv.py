@@ -58,8 +58,12 @@ def default_variant(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]
     multiprocessors, run 75); a few hundred want 8 warps, four steps each where the tiles fit two
     CTAs a multiprocessor (the 7B o and down, 224 tiles: 5.6-5.8 against 6.7-7.1 us and 24.3-24.5
     against 25.7-27.2, runs 74-76), else two steps where K is short (q/k/v, 288 tiles: 6.8-8.2
-    against 9.3-9.5 with four) and one where it is long."""
+    against 9.3-9.5 with four) and one where it is long. Where K is split over CTAs
+    (:func:`default_split_k`), 4 warps of two steps each (the 7B down at one row, four CTAs a
+    group: 21.3 us against 31.8 with 8 warps of four steps and humming's 23.6, run 84)."""
     tiles = -(-n // 16)
+    if default_split_k(n, k, sms) > 1:
+        return 4, 2, 0, 1
     if tiles >= 1024:
         return 4, 1, 0, 2
     if tiles <= 2 * sms:
@@ -78,7 +82,8 @@ def preferred(n: int, k: int, long_k: bool = False) -> bool:
 def default_split_k(n: int, k: int, sms: int = 132) -> int:
     """CTAs that split the K of each group of tiles: 1 (none) where K is short; for a long K with
     few tiles (the 7B down projection: 224 tiles of 16 features, 148 steps of 128 inputs, on 132
-    multiprocessors) 4, so that the CTAs are small and many enough to spread evenly."""
+    multiprocessors) 4, so that the CTAs are small and many enough to spread evenly (run 84 of
+    docs/benchmarks.md: 4 warps a CTA, 2 / 4 / 8 CTAs a group, the scan of the next run)."""
     return 4 if k // STEP_K >= 64 and -(-n // 16) <= 4 * sms else 1
 
 
@@ -169,8 +174,8 @@ class Fp4Gemv:
         CTA a tile. ``lora``: ``(state, a_cat [R, K], b_full [N, R])`` (bf16, contiguous; see
         :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T)
         b_full^T`` for a block-diagonal ``b_full`` (a member's rows zero outside its rank slice;
-        the kernel reads each member's window only); ``sms`` must then be None (persistent CTAs,
-        as many as the GPU holds at once)."""
+        the kernel reads each member's window only), ``sms`` must then be None (one CTA a tile
+        group)."""
         m = int(x.shape[0])
         if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k
                 or not 0 < m <= MAX_M or x.device != self.device):
@@ -201,15 +206,13 @@ class Fp4Gemv:
         if lora is None:
             items = groups * ks
             grid, extra = items if sms is None else min(items, sms * per_sm), _NO_LORA
-        else:  # persistent CTAs (one wait each), as many as the first launch could hold at once;
-            # a CTA does its shrink items before it waits: all finish if the items or CTAs fit
-            grid = lora[0].launch_grid(min(groups, per_sm * self._sms))
+        else:  # every CTA that waits has done its shrink items; the items it waits for are
+            # taken by CTAs that start after it: resident at once if the items or the grid fit
+            grid, extra = groups, lora[0].args(*lora[1:])
             if min(grid, lora[0].split) > per_sm * self._sms:
                 raise ValueError(f"Fp4Gemv: {lora[0].split} LoRA shrink items and {grid} CTAs, "
                                  f"more than the {per_sm * self._sms} CTAs the GPU holds at once "
-                                 f"at {m} rows (the launch could wait forever): one state a row "
-                                 "count, a lower rank or a shorter K")
-            extra = lora[0].args(*lora[1:])
+                                 "(the launch could wait forever): a lower rank or a shorter K")
         launch(fn, grid, warps * 32, x.device, pdl,
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias, *extra, *split))

@@ -62,7 +62,7 @@ class GemvLora:
         self.split = shrink_items(gemv.k, self.r_total, gemv.variant[0])
         self.acc = torch.zeros(2 * MAX_M * self.r_total, device=gemv.device)
         self.counters = torch.zeros(2, dtype=torch.int64, device=gemv.device)
-        self._gemv, self.grid = gemv, None
+        self._gemv = gemv
 
     def check(self, gemv: Fp4Gemv, a_cat: torch.Tensor, b_full: torch.Tensor) -> int:
         """The rank window the kernel is compiled for, or a ValueError naming the bad tensor."""
@@ -77,13 +77,6 @@ class GemvLora:
                                  f"{gemv.device}" + (", 16-byte aligned" if name == "a_cat" else "")
                                  + f", got {t.dtype} {list(t.shape)} on {t.device}")
         return self.window
-
-    def launch_grid(self, fits: int) -> int:
-        """The CTAs of every launch on this state: ``fits`` (what the GPU holds at once) at the
-        first launch, the same ever after (a ticket's launch is its number over the grid)."""
-        if self.grid is None:
-            self.grid = int(fits)
-        return self.grid
 
     def args(self, a_cat: torch.Tensor, b_full: torch.Tensor) -> tuple:
         """The kernel's LoRA arguments."""
