@@ -524,7 +524,8 @@ def main() -> None:  # pragma: no cover - GPU only
     ap.add_argument("--halves", action="store_true",
                     help="only gate/up and down as one GEMM or two halves (in turn, or at once)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated layers of --model to time (qkv, o, gate_up, down); all if left out")
+                    help="comma-separated layers of --model to time (qkv, o, gate_up, down; "
+                         "all if left out)")
     ap.add_argument("--launch", default=None, choices=("qkv", "o", "gate_up", "down"),
                     help="only three plain calls of that GEMM (for a profiler)")
     ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"),

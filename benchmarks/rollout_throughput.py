@@ -13,8 +13,9 @@ to: humming when installed), ``fast_nvfp4_lora`` / ``fast_mxfp4_lora``, and
 ``fast_nvfp4_lora_seq`` (LoRA on the main stream, ``lora_overlap=False``), ``fast_nvfp4_lora_side``
 (LoRA on a side stream, ``lora_overlap=True``; by default only the cuBLAS pair takes one), ``fast_nvfp4_lora_cublas`` (LoRA as
 two cuBLAS GEMMs a group instead of the fused kernel), ``fast_nvfp4_lora_ingemv`` (at one row
-the LoRA inside our FP4 GEMV's launch, not the fused kernel beside it, ``lora_kernel="gemv"``), ``fast_nvfp4_lora_gemvdown`` (the
-down projection through our GEMV too, K split over CTAs, ``gemv_long_k=True``), ``fast_nvfp4_lora_fused64`` (the fused
+the LoRA inside our FP4 GEMV's launch, not the fused kernel beside it, ``lora_kernel="gemv"``),
+``fast_nvfp4_lora_gemvdown`` (the down projection through our GEMV too, K split over CTAs,
+``gemv_long_k=True``), ``fast_nvfp4_lora_fused64`` (the fused
 LoRA kernel at every batch up to 64 rows, ``FastEngine(fused_lora_max_rows=64)``: the default since
 run 27, so the same as ``fast_nvfp4_lora``),
 ``fast_nvfp4_ct`` / ``fast_nvfp4_lora_ct`` (humming's copy of the NVFP4 weights in the stored

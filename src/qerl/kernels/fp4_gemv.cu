@@ -370,7 +370,8 @@ extern "C" __global__ void BOUNDS
              const u8* __restrict__ s2, int end0, int end1, const float* __restrict__ colscale,
              u16* __restrict__ out, int M, int N, int K, int ldo, int mx_bias,
              const U4* __restrict__ la, const u16* __restrict__ lb, float* lacc, u64* lcnt,
-             int R, int split, int rs0, int rs1, int rs2, float* ksws, unsigned* kscnt, int ksplit) {
+             int R, int split, int rs0, int rs1, int rs2, float* ksws, unsigned* kscnt,
+             int ksplit) {
   __shared__ U4 xs[NWARPS][UNR][MROWS][16];  // a warp's activations of its UNR steps, f16 pairs
   __shared__ float red[NWARPS][32][FT][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

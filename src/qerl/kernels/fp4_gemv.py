@@ -12,9 +12,11 @@ described in the ``.cu`` file).
 GEMM whose output columns are theirs side by side, reading the stored tensors in place (no copy:
 no memory beyond a per-column factor), and applies ``1 / weight_global_scale`` per output column
 itself, so its output is the finished ``x @ W^T`` (no ``col_scale`` for the consumer).
-With a :class:`qerl.kernels.fp4_gemv_lora.GemvLora`, the group's LoRA runs in the same launch (``y += (x A^T) B^T``, the
-shrink rounded to bf16 as the two-GEMM path rounds it): a few CTAs compute the shrink first and
-the tiles add the expand before they store, so decode pays no launch of its own for it.
+With a :class:`qerl.kernels.fp4_gemv_lora.GemvLora`, the group's LoRA runs in the same launch
+(``y += (x A^T) B^T``, the shrink rounded to bf16 as the two-GEMM path rounds it): a few CTAs
+compute the shrink first and the tiles add the expand before they store, so decode pays no
+launch of its own for it. With ``split_k`` above 1, several CTAs share each group's K and meet
+in a float32 workspace of the GEMM (a long K with few tiles: the 7B down projection).
 The kernel compiles with NVRTC on first use, once per process and variant (``cuda-bindings``
 comes with the ``.[gpu]`` extra, which humming-kernels needs too; CUDA builds of torch bring the
 NVRTC library). CPU installs never compile it; :func:`supports` says where it runs.
@@ -159,7 +161,8 @@ class Fp4Gemv:
                              self.column_factor.data_ptr())
 
     def nbytes(self) -> int:
-        """Bytes this GEMM adds to the weights it reads in place (its column factors)."""
+        """Bytes this GEMM adds to the weights it reads in place (its column factors, and with a
+        split of K its workspace and counters)."""
         extra = [self.column_factor, *(self._split or ())]
         return sum(t.numel() * t.element_size() for t in extra)
 
@@ -171,7 +174,7 @@ class Fp4Gemv:
         while the kernel before it runs (it loads its first weights, then waits); ``sms``: at
         most as many CTAs as fit on that many multiprocessors at once (each loops over tiles of
         16 features), so that a kernel launched after it finds room beside it; by default one
-        CTA a tile. ``lora``: ``(state, a_cat [R, K], b_full [N, R])`` (bf16, contiguous; see
+        CTA a group of tiles (``split_k`` CTAs with a split). ``lora``: ``(state, a_cat [R, K], b_full [N, R])`` (bf16, contiguous; see
         :class:`qerl.kernels.fp4_gemv_lora.GemvLora`): the output is ``x W^T + (x a_cat^T)
         b_full^T`` for a block-diagonal ``b_full`` (a member's rows zero outside its rank slice;
         the kernel reads each member's window only), ``sms`` must then be None (one CTA a tile
@@ -217,8 +220,6 @@ class Fp4Gemv:
                 (x.data_ptr(), *self._weight_args, out.data_ptr(), m, self.n, self.k,
                  out.stride(0), self.mx_bias, *extra, *split))
         return out
-
-
 
 
 def _checked_variant(variant: Sequence[int]) -> tuple[int, int, int, int]:

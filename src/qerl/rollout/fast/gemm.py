@@ -3,8 +3,9 @@ scales still to apply when :attr:`GroupGemm.col_scale` is set).
 
 * all members FP4 of one format, ``gemv_max_m`` set and at most that many rows (decode at a
   small batch; backend ``humming``, bf16, Hopper or later; a shape where it beats humming,
-  :func:`qerl.kernels.fp4_gemv.preferred`, or any with ``gemv_long_k``): our FP4 GEMV (:mod:`qerl.kernels.fp4_gemv`), which
-  reads the members' stored tensors in place, the output finished (no column scales);
+  :func:`qerl.kernels.fp4_gemv.preferred`, or any with ``gemv_long_k``): our FP4 GEMV
+  (:mod:`qerl.kernels.fp4_gemv`), which reads the members' stored tensors in place, the output
+  finished (no column scales);
 * all members FP4 of one format, backend ``humming``, at most ``humming_max_m()`` rows (any
   number with ``humming_only``): one humming GEMM for the whole group (q/k/v or gate/up stacked
   along N), prepared once per plan, in humming's ``layout`` of the weights (NVFP4 in bf16 only:
