@@ -56,6 +56,13 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout \
         tests/kernels/test_tuning_cache.py 2>&1 | tail -25; echo "pytest rc=${PIPESTATUS[0]}" ;;
+    ropetests)  # the decode attention with RoPE inside its launch against RoPE then attention (and
+      # in-kernel merges of the splits), then the engine at 7B width with it (two pytest calls)
+      timeout 100 python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py \
+        -k "attention or rope" 2>&1 | tail -15; echo "pytest rc=${PIPESTATUS[0]}"
+      timeout ${ROPETESTS_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -n 8 -rfE \
+        tests/rollout/test_fast_engine.py::test_gpu_graph_captured_at_real_model_width 2>&1 | tail -15
+      echo "pytest rc=${PIPESTATUS[0]}" ;;
     layouttests)  # humming's NVFP4 copy with bf16 group scales against the float32 reference and the ct layout
       timeout 100 python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/kernels/test_gpu_fp4.py -k "humming" 2>&1 | tail -15
       echo "pytest rc=${PIPESTATUS[0]}" ;;

@@ -33,7 +33,10 @@ multiprocessors, ``lora_sms=4`` / ... / ``16``;
 many splits, ``FastEngine(attention_splits=...)``; the default chooses), ``fast_nvfp4_gemv`` /
 ``fast_nvfp4_lora_gemv`` (decode waves of up to 8 rows through our FP4 GEMV instead of humming,
 ``FastEngine(gemv_max_m=8)``; the default is 1 row), ``fast_nvfp4_humming`` /
-``fast_nvfp4_lora_humming`` (humming at every row count, ``FastEngine(gemv_max_m=0)``). Per cell: tokens/s
+``fast_nvfp4_lora_humming`` (humming at every row count, ``FastEngine(gemv_max_m=0)``),
+``fast_bf16_fusedrope`` / ``fast_nvfp4_lora_fusedrope`` (RoPE and the K/V write inside the
+attention's launch, ``FastEngine(fuse_rope=True)``; ``_fusedrope3`` / ``_fusedrope6``: with the
+KV slots in 3 / 6 splits). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -99,10 +102,13 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_split2": dict(attention_splits=2),
                        "fast_nvfp4_lora_split4": dict(attention_splits=4),
                        "fast_nvfp4_lora_split6": dict(attention_splits=6),
+                       "fast_nvfp4_lora_fusedrope": dict(fuse_rope=True),
+                       "fast_nvfp4_lora_fusedrope3": dict(fuse_rope=True, attention_splits=3),
+                       "fast_nvfp4_lora_fusedrope6": dict(fuse_rope=True, attention_splits=6),
                        "fast_nvfp4_lora_gemv": dict(gemv_max_m=8),
                        "fast_nvfp4_lora_humming": dict(gemv_max_m=0)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl", "fast_nvfp4_gemv",
-                 "fast_nvfp4_humming", *NVFP4_LORA_VARIANTS]
+                 "fast_nvfp4_humming", "fast_bf16_fusedrope", *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
@@ -302,7 +308,7 @@ CHECK = False
 PROFILE = False
 FAMILIES = [("humming", "humming"), ("fp4_gemv", "fp4 GEMV"), ("lora_kernel", "fused LoRA"),
             ("qkv_rope", "rope+qkv epi"),
-            ("add_rmsnorm", "add+rmsnorm"), ("attn_decode", "attention"),
+            ("add_rmsnorm", "add+rmsnorm"), ("attn_kernel", "attention"),
             ("silu_mul", "silu-mul"), ("fp4_dequant", "fp4 dequant"),
             ("gemm", "cuBLAS"), ("gemv", "cuBLAS"), ("xmma", "cuBLAS"), ("cutlass", "cuBLAS"),
             ("nvjet", "cuBLAS")]
@@ -480,6 +486,8 @@ def main() -> None:
             record("fast_bf16", lambda: run_fast(model, B, N, V), model)
         if "fast_bf16_nopdl" in cols:
             record("fast_bf16_nopdl", lambda: run_fast(model, B, N, V, pdl=False), model)
+        if "fast_bf16_fusedrope" in cols:
+            record("fast_bf16_fusedrope", lambda: run_fast(model, B, N, V, fuse_rope=True), model)
         if any(c.startswith(("fast_nvfp4", "fast_mxfp4")) or c == "hf_nf4" for c in cols):
             from qerl.quant.linear import quantize_model_
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 K = pytest.importorskip("qerl.rollout.fast.kernels")
+A = pytest.importorskip("qerl.rollout.fast.attention")
 S = pytest.importorskip("qerl.rollout.fast.sampling")
 if not K.HAS_TRITON:
     pytest.skip("needs Triton", allow_module_level=True)
@@ -106,11 +107,24 @@ def test_qkv_rope_writes_rotated_cache(dt, m, hq, hkv, d, lora) -> None:
     assert torch.isnan(kc[:, :, :slot]).all()  # nothing else written
 
 
+def _attention_ref(q, kc, vc, pad, slot, scale):
+    m, hq, d = q.shape
+    ref = torch.empty(m, hq, d, device=q.device)
+    for b in range(m):
+        lo = int(pad[b])
+        kk = kc[b, :, lo:slot + 1].float().repeat_interleave(hq // kc.shape[1], 0)
+        vv = vc[b, :, lo:slot + 1].float().repeat_interleave(hq // kc.shape[1], 0)
+        w = torch.softmax((q[b].float().unsqueeze(1) @ kk.transpose(1, 2)) * scale, -1)
+        ref[b] = (w @ vv).squeeze(1)
+    return ref.reshape(m, hq * d)
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("splits,slot", [(1, 70), (3, 70), (7, 70), (4, 200)])
 def test_attention_over_filled_slots(dt, splits, slot) -> None:
     """Every row sees exactly its slots ``pad .. slot``, split or not (7 splits of 71 slots
-    leave some splits empty for the rows with short contexts)."""
+    leave some splits empty for the rows with short contexts); the last split of each (row, KV
+    head) merges them and leaves its counter at zero, so the same counters serve the next call."""
     m, hq, hkv, d, cap = 5, 8, 2, 32, 240
     g = torch.Generator(device=DEV).manual_seed(3)
     q = torch.randn(m, hq, d, device=DEV, generator=g).to(dt)
@@ -118,16 +132,49 @@ def test_attention_over_filled_slots(dt, splits, slot) -> None:
     vc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
     kc[:, :, slot + 1:] = float("nan")  # never read
     pad = torch.tensor([0, 3, 64, 10, 69], device=DEV, dtype=torch.int32)
-    out = K.attention(q, kc, vc, torch.tensor([slot], device=DEV, dtype=torch.int32), pad, 0.2,
-                      splits)
-    ref = torch.empty(m, hq, d, device=DEV)
-    for b in range(m):
-        lo = int(pad[b])
-        kk = kc[b, :, lo:slot + 1].float().repeat_interleave(hq // hkv, 0)
-        vv = vc[b, :, lo:slot + 1].float().repeat_interleave(hq // hkv, 0)
-        w = torch.softmax((q[b].float().unsqueeze(1) @ kk.transpose(1, 2)) * 0.2, -1)
-        ref[b] = (w @ vv).squeeze(1)
-    assert _rel(out, ref.reshape(m, hq * d)) < TOL[dt]
+    cnt = torch.zeros(m * hkv, dtype=torch.int32, device=DEV)
+    sl = torch.tensor([slot], device=DEV, dtype=torch.int32)
+    ref = _attention_ref(q, kc, vc, pad, slot, 0.2)
+    for _ in range(2):
+        out = A.attention(q, kc, vc, sl, pad, 0.2, splits, cnt)
+        assert _rel(out, ref) < TOL[dt]
+        assert not cnt.any()
+    with pytest.raises(ValueError, match="counters must be int32 zeros of at least"):
+        A.attention(q, kc, vc, sl, pad, 0.2, 2, torch.zeros(3, dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m,hq,hkv,d,splits,lora", [(3, 4, 2, 32, 1, True), (2, 6, 2, 16, 3, False),
+                                                    (4, 8, 2, 64, 5, True), (1, 28, 4, 128, 6, True)])
+def test_rope_attention_equals_rope_then_attention(dt, m, hq, hkv, d, splits, lora) -> None:
+    """RoPE and the cache write inside the attention kernel: the same new K/V in the cache, the
+    same output as :func:`qkv_rope` then :func:`attention` (and the torch reference), nothing else
+    of the cache written, the counters left zero."""
+    n = (hq + 2 * hkv) * d
+    epi, _, _ = _group(m, n, 24, dt, True, True, lora)
+    raw = epi.raw
+    qv, kv, vv = raw[:, :hq * d], raw[:, hq * d:(hq + hkv) * d], raw[:, (hq + hkv) * d:]
+    epi.raw = qv
+    cap, slot = 200, 150
+    g = torch.Generator(device=DEV).manual_seed(m + d)
+    kc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
+    vc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
+    kc[:, :, slot:] = float("nan")  # slot: written by the kernel; beyond: never read
+    vc[:, :, slot:] = float("nan")
+    kc2, vc2 = kc.clone(), vc.clone()
+    pad = torch.randint(0, 100, (m,), device=DEV, dtype=torch.int32)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    sl = torch.tensor([slot], device=DEV, dtype=torch.int32)
+    cnt = torch.zeros(m * hkv, dtype=torch.int32, device=DEV)
+    out = A.rope_attention(epi, kv, vv, kc, vc, inv, sl, pad, 0.9, hq, d, 0.3, splits, cnt)
+    qo = K.qkv_rope(epi, kv, vv, kc2, vc2, inv, sl, pad, 0.9, hq, hkv, d)
+    ref = A.attention(qo, kc2, vc2, sl, pad, 0.3, 1)
+    assert _rel(kc[:, :, slot], kc2[:, :, slot]) < TOL[dt] / 4
+    assert _rel(vc[:, :, slot], vc2[:, :, slot]) < TOL[dt] / 4
+    assert torch.isnan(kc[:, :, slot + 1:]).all() and torch.isnan(vc[:, :, slot + 1:]).all()
+    assert _rel(out, ref) < TOL[dt]
+    assert _rel(out, _attention_ref(qo, kc2, vc2, pad, slot, 0.3)) < TOL[dt]
+    assert not cnt.any()
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -143,12 +190,12 @@ def test_silu_mul_epilogue(dt, m, inter, lora) -> None:
 
 
 def test_attention_splits_only_when_programs_would_leave_sms_idle() -> None:
-    assert K.attention_splits(64, 4, 1280, 132) == 1  # 256 programs: no split
-    assert K.attention_splits(1, 4, 1280, 132) == 5  # capacity bound: >= 256 slots a split
-    assert K.attention_splits(1, 4, 384, 132) == 1
-    assert K.attention_splits(1, 4, 16384, 132) == 32  # at most 32
-    assert K.attention_splits(8, 4, 8192, 132) == 9  # about two waves: ceil(264 / 32)
-    assert K.attention_splits(1, 8, 100, 132) == 1
+    assert A.attention_splits(64, 4, 1280, 132) == 1  # 256 programs: no split
+    assert A.attention_splits(1, 4, 1280, 132) == 5  # capacity bound: >= 256 slots a split
+    assert A.attention_splits(1, 4, 384, 132) == 1
+    assert A.attention_splits(1, 4, 16384, 132) == 32  # at most 32
+    assert A.attention_splits(8, 4, 8192, 132) == 9  # about two waves: ceil(264 / 32)
+    assert A.attention_splits(1, 8, 100, 132) == 1
 
 
 def _logits(kind: str, b: int, v: int, dt: torch.dtype) -> torch.Tensor:

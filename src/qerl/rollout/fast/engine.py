@@ -72,7 +72,9 @@ class FastEngine:
             (E4M3 group scales, as stored) or ``"bf16_scales"`` (bf16 ones; 3-4 % faster).
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
-            multiprocessors (:func:`qerl.rollout.fast.kernels.attention_splits`).
+            multiprocessors (:func:`qerl.rollout.fast.attention.attention_splits`).
+        fuse_rope: RoPE and the K/V cache write inside the decode attention's launch (the
+            ``triton`` backend; :func:`qerl.rollout.fast.attention.rope_attention`).
         keep_state: keep the KV cache, sampling buffers and captured graph between calls (a
             benchmark's); by default they go when ``generate`` returns, back to the trainer's
             update (the plan and the prepared 4-bit GEMM tensors are kept either way).
@@ -105,7 +107,7 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M, humming_layout: str = "bf16_scales",
                  pdl: bool | None = None, lora_sms: int = 8, lora_end_wait: str = "one",
-                 gemv_max_m: int = 1, gemv_long_k: bool = False) -> None:
+                 gemv_max_m: int = 1, gemv_long_k: bool = False, fuse_rope: bool = False) -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "gemv", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -115,11 +117,9 @@ class FastEngine:
         int_in("lora_sms", lora_sms, 64, lo=0)
         int_in("gemv_max_m", gemv_max_m, 8, lo=0)
         bool_or_none("gemv_long_k", gemv_long_k, "False")
+        bool_or_none("fuse_rope", fuse_rope, "False")
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
-        if kv_budget_gib is not None and not kv_budget_gib > 0:
-            raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
-        if not 0 < kv_budget_fraction <= 1:
-            raise ValueError(f"kv_budget_fraction must be in (0, 1], got {kv_budget_fraction}")
+        state.check_budget(kv_budget_gib, kv_budget_fraction)
         self.backend, self.use_cuda_graph = backend, use_cuda_graph
         self.check_every, self.cache_multiple = max(1, int(check_every)), max(1, int(cache_multiple))
         self.kv_budget_gib, self.kv_budget_fraction = kv_budget_gib, kv_budget_fraction
@@ -127,7 +127,8 @@ class FastEngine:
         self.attention_splits, self.lora_kernel, self.fused_lora_max_rows, self.humming_layout = (
             attention_splits, lora_kernel, fused_lora_max_rows, humming_layout)
         self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
-        self.gemv_max_m, self.gemv_long_k = gemv_max_m, bool(gemv_long_k)
+        self.gemv_max_m, self.gemv_long_k, self.fuse_rope = gemv_max_m, bool(gemv_long_k), bool(
+            fuse_rope)
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -219,12 +220,7 @@ class FastEngine:
         if len(sp.eos_token_ids) > 8:
             raise ValueError("fast engine: at most 8 EOS ids are supported")
         dev = plan.device
-        if isinstance(generator, (list, tuple)):  # one generator per prompt: its n rows' uniforms
-            u = torch.cat([torch.rand((T, n), generator=g, device=g.device).to(dev) for g in generator], dim=1)
-        elif generator is not None:  # one uniform per row and step, whatever the waves
-            u = torch.rand((T, N), generator=generator, device=generator.device).to(dev)
-        else:
-            u = torch.rand((T, N), device=dev)
+        u = state.uniforms(generator, T, n, N, dev)
         W = self.wave_rows(plan, N, cap, n)
         st = self._get_state(plan, W, cap, T, mode, backend, pdl)
         if gemms:  # compile the humming kernels of this call's row counts in parallel
@@ -335,7 +331,7 @@ class FastEngine:
                    backend: str, pdl: bool) -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
-               pdl, self.lora_sms, self.lora_end_wait)
+               pdl, self.lora_sms, self.lora_end_wait, self.fuse_rope)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -352,6 +348,7 @@ class FastEngine:
         st.pdl = pdl
         st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
         st.lora_end_wait, st.lora_in_gemv = self.lora_end_wait, self.lora_kernel == "gemv"
+        st.fuse_rope = self.fuse_rope and backend == "triton"
         self._state = st
         return st
 

@@ -7,8 +7,7 @@ one more load per element) -- while doing their own work:
 
 * :func:`add_rmsnorm`: ``h += epilogue(raw)`` then ``x = rmsnorm(h) * w`` (o and down outputs);
 * :func:`qkv_rope`: epilogue of q/k/v, RoPE, K/V written into the static cache;
-* :func:`attention`: flash-decoding over the filled cache slots (split over the slots, and the
-  splits merged by a second kernel, when rows x KV heads would leave multiprocessors idle);
+* the decode attention, RoPE fused into it or not: :mod:`qerl.rollout.fast.attention`;
 * :func:`silu_mul`: epilogue of gate/up, then ``silu(g) * u``.
 
 The sampling kernel is in :mod:`qerl.rollout.fast.sampling`, beside its torch reference.
@@ -29,8 +28,7 @@ import torch
 
 from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton  # the one Triton import
 
-__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "attention", "attention_splits", "qkv_rope",
-           "silu_mul"]
+__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "qkv_rope", "silu_mul"]
 
 
 def np2(x: int) -> int:
@@ -61,19 +59,27 @@ if HAS_TRITON:
     from qerl.rollout.fast.pdl import pdl_enter
 
     @triton.jit
+    def _epi_at(raw, m, cs, bias, cm, lo, HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                HAS_LORA: tl.constexpr, DT: tl.constexpr):
+        """A block of a finished GEMM output: ``raw`` and ``lo`` pointer blocks under mask ``m``,
+        the column scale and bias pointer blocks (broadcastable to them) under ``cm``."""
+        y = tl.load(raw, mask=m, other=0.0).to(tl.float32)
+        if HAS_CS:
+            y = y * tl.load(cs, mask=cm, other=0.0)
+        if HAS_BIAS:
+            y = y + tl.load(bias, mask=cm, other=0.0).to(tl.float32)
+        if HAS_LORA:
+            y = y + tl.load(lo, mask=m, other=0.0).to(tl.float32)
+        return y.to(DT).to(tl.float32)
+
+    @triton.jit
     def _epilogue(raw_ptr, sr, rows, rmask, lcol, gcol, cmask, cs_ptr, b_ptr, lo_ptr, slo,
                   HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                   DT: tl.constexpr):
-        m2 = rmask[:, None] & cmask[None, :]
         r64 = rows[:, None].to(tl.int64)
-        y = tl.load(raw_ptr + r64 * sr + lcol[None, :], mask=m2, other=0.0).to(tl.float32)
-        if HAS_CS:
-            y = y * tl.load(cs_ptr + gcol, mask=cmask, other=0.0)[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + gcol, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if HAS_LORA:
-            y = y + tl.load(lo_ptr + r64 * slo + gcol[None, :], mask=m2, other=0.0).to(tl.float32)
-        return y.to(DT).to(tl.float32)
+        return _epi_at(raw_ptr + r64 * sr + lcol[None, :], rmask[:, None] & cmask[None, :],
+                       cs_ptr + gcol[None, :], b_ptr + gcol[None, :], cmask[None, :],
+                       lo_ptr + r64 * slo + gcol[None, :], HAS_CS, HAS_BIAS, HAS_LORA, DT)
 
     @triton.jit
     def _added(h_ptr, d_ptr, sd, off, cs_ptr, b_ptr, lo_ptr, slo, row, base, offs, cm, dt,
@@ -183,84 +189,6 @@ if HAS_TRITON:
             tl.store(vc_ptr + koff + HALF, v2.to(dt), mask=m2)
 
     @triton.jit
-    def _attn_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr, slot_ptr, pad_ptr,
-                            qk_scale, skb, skh, skl, so, HQ: tl.constexpr, G: tl.constexpr,
-                            GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            BL: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr):
-        """Row ``b``, KV head ``kh``, split ``s`` of ``S``: online softmax over the split's share
-        of the row's filled slots. ``S == 1``: the normalised output; else the split's running
-        max, sum and unnormalised output go to the partial buffers for ``_attn_combine_kernel``."""
-        pdl_enter(PDL)
-        b = tl.program_id(0)
-        kh = tl.program_id(1)
-        sp = tl.program_id(2)
-        offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, DP)
-        offs_l = tl.arange(0, BL)
-        dmask = offs_d < D
-        qmask = (offs_g[:, None] < G) & dmask[None, :]
-        qrow = b.to(tl.int64) * HQ + kh * G + offs_g
-        q = tl.load(q_ptr + qrow[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-        slot = tl.load(slot_ptr)
-        padb = tl.load(pad_ptr + b)
-        first = (padb // BL) * BL
-        per = tl.cdiv(tl.cdiv(slot + 1 - first, BL), S) * BL  # slots of one split
-        lo = first + sp * per
-        hi = tl.minimum(lo + per, slot + 1)
-        m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((GP,), dtype=tl.float32)
-        acc = tl.zeros((GP, DP), dtype=tl.float32)
-        kbase = kc_ptr + b.to(tl.int64) * skb + kh * skh
-        vbase = vc_ptr + b.to(tl.int64) * skb + kh * skh
-        for start in range(lo, hi, BL):
-            ll = start + offs_l
-            lmask = ll < hi
-            kv_mask = lmask[:, None] & dmask[None, :]
-            k = tl.load(kbase + ll[:, None] * skl + offs_d[None, :], mask=kv_mask, other=0.0)
-            sc = tl.dot(q, tl.trans(k)) * qk_scale
-            sc = tl.where(((ll >= padb) & lmask)[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            p = tl.exp2(sc - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vbase + ll[:, None] * skl + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if S == 1:
-            col = (kh * G + offs_g)[:, None] * D + offs_d[None, :]
-            tl.store(o_ptr + b.to(tl.int64) * so + col,
-                     (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
-        else:
-            prow = qrow * S + sp  # partials [M, HQ, S] and [M, HQ, S, D], float32
-            gm = offs_g < G
-            tl.store(pm_ptr + prow, m_i, mask=gm)
-            tl.store(pl_ptr + prow, l_i, mask=gm)
-            tl.store(o_ptr + prow[:, None] * D + offs_d[None, :], acc, mask=qmask)
-
-    @triton.jit
-    def _attn_combine_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, so, HQ: tl.constexpr,
-                             D: tl.constexpr, DP: tl.constexpr, S: tl.constexpr,
-                             SP: tl.constexpr, PDL: tl.constexpr):
-        """Row ``b``, query head ``h``: the splits' partial softmaxes merged (empty splits have
-        max ``-inf`` and weigh nothing)."""
-        pdl_enter(PDL)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_s = tl.arange(0, SP)
-        offs_d = tl.arange(0, DP)
-        smask = offs_s < S
-        prow = (b.to(tl.int64) * HQ + h) * S + offs_s
-        m = tl.load(pm_ptr + prow, mask=smask, other=float("-inf"))
-        lsum = tl.load(pl_ptr + prow, mask=smask, other=0.0)
-        m_max = tl.max(m, axis=0)
-        w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
-        acc = tl.load(pacc_ptr + prow[:, None] * D + offs_d[None, :],
-                      mask=smask[:, None] & (offs_d < D)[None, :], other=0.0)
-        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
-        tl.store(o_ptr + b.to(tl.int64) * so + h * D + offs_d,
-                 out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
-
-    @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, sg, su, cs_ptr, b_ptr, lo_ptr, slo, act_ptr, M, NI,
                          HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
@@ -331,42 +259,6 @@ def qkv_rope(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc
         HQ=n_heads, HKV=n_kv, D=head_dim, HALF=half, HALFP=max(16, np2(half)), BM=bm,
         num_warps=4, **_flags(q), **launch_kw(pdl))
     return qo
-
-
-def attention_splits(rows: int, n_kv: int, cap: int, sms: int) -> int:
-    """Splits of each row's KV slots for :func:`attention`: 1 while ``rows * n_kv`` programs fill
-    the ``sms`` multiprocessors, else enough for about two waves (at most 32, and at least 256
-    slots of capacity a split: below that the merge costs what the split saves)."""
-    if rows * n_kv >= sms:
-        return 1
-    return max(1, min(-(-2 * sms // (rows * n_kv)), cap // 256, 32))
-
-
-def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-              pad: torch.Tensor, scaling: float, splits: int = 1,
-              pdl: bool = False) -> torch.Tensor:
-    """Decode attention of ``q [M, Hq, D]`` over cache slots ``pad[b] .. slot``: ``[M, Hq*D]``.
-    ``splits > 1``: flash-decoding over the slots -- each (row, KV head) split into ``splits``
-    programs whose partial softmaxes a second kernel merges (small batches, long contexts)."""
-    m, hq, d = q.shape
-    hkv = kc.shape[1]
-    g = hq // hkv
-    out = torch.empty((m, hq * d), dtype=q.dtype, device=q.device)
-    if splits > 1:
-        pacc = torch.empty((m, hq, splits, d), dtype=torch.float32, device=q.device)
-        pm = torch.empty((m, hq, splits), dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-    else:
-        pacc, pm, pl = out, out, out  # the kernel writes ``out`` itself
-    _attn_decode_kernel[(m, hkv, splits)](
-        q, kc, vc, pacc, pm, pl, slot, pad, scaling * 1.4426950408889634, kc.stride(0),
-        kc.stride(1), kc.stride(2), out.stride(0), HQ=hq, G=g, GP=max(16, np2(g)), D=d,
-        DP=max(16, np2(d)), BL=64, S=splits, num_warps=4, **launch_kw(pdl))
-    if splits > 1:
-        _attn_combine_kernel[(m, hq)](pacc, pm, pl, out, out.stride(0), HQ=hq, D=d,
-                                      DP=max(16, np2(d)), S=splits, SP=max(2, np2(splits)),
-                                      num_warps=4, **launch_kw(pdl))
-    return out
 
 
 def silu_mul(g: Epilogue, u: torch.Tensor, pdl: bool = False) -> torch.Tensor:

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 import torch
 
 from qerl.rollout.base import SamplingParams
-from qerl.rollout.fast import kernels as K
+from qerl.rollout.fast.attention import attention_splits
 from qerl.rollout.fast.plan import Plan
 
-__all__ = ["State", "new_state", "pad_cols", "record", "reset_outputs", "sync"]
+__all__ = ["State", "check_budget", "new_state", "pad_cols", "record", "reset_outputs", "sync",
+           "uniforms", "wave_rows"]
 
 _STEP_FIELDS = ("tok", "slot", "step", "done", "out_tok", "out_lp", "out_mask", "out_ent")
 
@@ -45,6 +46,8 @@ class State:
     # None: the LoRA runs as cuBLAS GEMMs
     lora_fused: dict | None = None
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
+    attn_cnt: torch.Tensor | None = None  # its int32 counters [rows * KV heads] (zeros between)
+    fuse_rope: bool = False  # RoPE and the K/V write inside the attention launch
     pdl: bool = False  # decode kernels with programmatic dependent launch (pdl.pdl_supported)
     gemm_sms: int | None = None  # humming's multiprocessors when the fused LoRA runs beside it
     lora_end_wait: str = "one"  # beside the GEMM: which LoRA programs wait at their end
@@ -106,7 +109,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
               fused_lora: bool = False) -> State:
     """Buffers for ``rows`` rows and ``cap`` KV slots; ``side``: the LoRA side stream (the
     engine's one stream: cuBLAS keeps a workspace per stream it has run on, for the process);
-    ``attn_splits``: the decode attention's splits (``None``: :func:`kernels.attention_splits`);
+    ``attn_splits``: the decode attention's splits (``None``: :func:`attention_splits`);
     ``fused_lora``: LoRA through :mod:`qerl.rollout.fast.lora` where it applies."""
     dev, dt = plan.device, plan.dtype
     shape = (rows, plan.n_kv, cap, plan.head_dim)
@@ -118,7 +121,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
     fused = _fused_lora(plan, rows, dev) if fused_lora and lo else None
     if attn_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        attn_splits = K.attention_splits(rows, plan.n_kv, cap, sms)
+        attn_splits = attention_splits(rows, plan.n_kv, cap, sms)
     return State(
         key=key, n_rows=rows, cap=cap, t_cap=T, mode=mode,
         k=[torch.zeros(shape, dtype=dt, device=dev) for _ in plan.layers],
@@ -130,7 +133,7 @@ def new_state(plan: Plan, key: tuple, rows: int, cap: int, T: int, mode: str,
         out_tok=z(rows, T + 1, dtype=torch.long), out_lp=z(rows, T + 1),
         out_mask=z(rows, T + 1), out_ent=z(rows, T + 1), lora_xa=xa, lora_out=lo,
         lora_fused=fused,
-        attn_splits=attn_splits, side=side)
+        attn_splits=attn_splits, attn_cnt=z(rows * plan.n_kv, dtype=torch.int32), side=side)
 
 
 def reset_outputs(st: State, sp: SamplingParams, u: torch.Tensor, pad_rows: torch.Tensor) -> None:
@@ -176,6 +179,25 @@ def pad_cols(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
 
 
 SAMPLING_BYTES_PER_LOGIT = 32  # float32 logits, softmax, sorted copy, int64 order, cumsum
+
+
+def check_budget(kv_budget_gib: float | None, kv_budget_fraction: float) -> None:
+    """The engine's memory budget options (:func:`wave_rows`), checked."""
+    if kv_budget_gib is not None and not kv_budget_gib > 0:
+        raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
+    if not 0 < kv_budget_fraction <= 1:
+        raise ValueError(f"kv_budget_fraction must be in (0, 1], got {kv_budget_fraction}")
+
+
+def uniforms(generator, T: int, n: int, N: int, dev: torch.device) -> torch.Tensor:
+    """The sampling uniforms ``[T, N]`` of a call, one a row and step whatever the waves;
+    ``generator`` a list: one generator a prompt, for its ``n`` rows."""
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.rand((T, n), generator=g, device=g.device).to(dev)
+                          for g in generator], dim=1)
+    if generator is not None:
+        return torch.rand((T, N), generator=generator, device=generator.device).to(dev)
+    return torch.rand((T, N), device=dev)
 
 
 def wave_rows(plan: Plan, n_rows: int, slots: int, group: int, budget_gib: float | None,
