@@ -35,8 +35,8 @@ many splits, ``FastEngine(attention_splits=...)``; the default chooses), ``fast_
 ``FastEngine(gemv_max_m=8)``; the default is 1 row), ``fast_nvfp4_humming`` /
 ``fast_nvfp4_lora_humming`` (humming at every row count, ``FastEngine(gemv_max_m=0)``),
 ``fast_bf16_fusedrope`` / ``fast_nvfp4_lora_fusedrope`` (RoPE and the K/V write inside the
-attention's launch, ``FastEngine(fuse_rope=True)``; ``_fusedrope3`` / ``_fusedrope6``: with the
-KV slots in 3 / 6 splits). Per cell: tokens/s
+attention's launch, ``FastEngine(fuse_rope=True)``; ``_fusedrope2`` / ``_fusedrope3`` /
+``_fusedrope6``: with the KV slots in 2 / 3 / 6 splits). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -103,6 +103,7 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_split4": dict(attention_splits=4),
                        "fast_nvfp4_lora_split6": dict(attention_splits=6),
                        "fast_nvfp4_lora_fusedrope": dict(fuse_rope=True),
+                       "fast_nvfp4_lora_fusedrope2": dict(fuse_rope=True, attention_splits=2),
                        "fast_nvfp4_lora_fusedrope3": dict(fuse_rope=True, attention_splits=3),
                        "fast_nvfp4_lora_fusedrope6": dict(fuse_rope=True, attention_splits=6),
                        "fast_nvfp4_lora_gemv": dict(gemv_max_m=8),

@@ -117,13 +117,13 @@ if HAS_TRITON:
             lmask = ll < hi
             kv_mask = lmask[:, None] & dmask[None, :]
             k = tl.load(kbase + ll[:, None] * skl + offs_d[None, :], mask=kv_mask, other=0.0)
-            sc = tl.dot(q, tl.trans(k)) * qk_scale
+            v = tl.load(vbase + ll[:, None] * skl + offs_d[None, :], mask=kv_mask, other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * qk_scale  # (v loaded with k: one round trip a block)
             sc = tl.where(((ll >= padb) & lmask)[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             p = tl.exp2(sc - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vbase + ll[:, None] * skl + offs_d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         ocol = b64 * so + qh[:, None] * D + offs_d[None, :]
