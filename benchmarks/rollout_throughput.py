@@ -29,14 +29,15 @@ multiprocessors, ``lora_sms=4`` / ... / ``16``;
 8 is the engine's default, so ``_beside8`` is ``fast_nvfp4_lora``), ``fast_nvfp4_lora_onewait`` /
 ``_allwait`` (beside the GEMM, one LoRA program waiting for it at its end, or all of them,
 ``lora_end_wait="one"`` / ``"all"``; "one" is the default since run 40),
-``fast_nvfp4_lora_split2`` / ``_split4`` / ``_split6`` (the decode attention's KV slots in that
-many splits, ``FastEngine(attention_splits=...)``; the default chooses), ``fast_nvfp4_gemv`` /
+``fast_nvfp4_lora_split1`` / ``_split2`` / ``_split4`` / ``_split6`` (the decode attention's KV
+slots in that many splits, ``FastEngine(attention_splits=...)``; the default chooses),
+``fast_nvfp4_gemv`` /
 ``fast_nvfp4_lora_gemv`` (decode waves of up to 8 rows through our FP4 GEMV instead of humming,
 ``FastEngine(gemv_max_m=8)``; the default is 1 row), ``fast_nvfp4_humming`` /
 ``fast_nvfp4_lora_humming`` (humming at every row count, ``FastEngine(gemv_max_m=0)``),
-``fast_bf16_fusedrope`` / ``fast_nvfp4_lora_fusedrope`` (RoPE and the K/V write inside the
-attention's launch, ``FastEngine(fuse_rope=True)``; ``_fusedrope2`` / ``_fusedrope3`` /
-``_fusedrope6``: with the KV slots in 2 / 3 / 6 splits). Per cell: tokens/s
+``fast_bf16_unfused`` / ``fast_nvfp4_lora_unfused`` (RoPE and the K/V write in a kernel of their
+own before the attention, ``FastEngine(fuse_rope=False)``; the default has them inside its
+launch). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -102,14 +103,12 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_split2": dict(attention_splits=2),
                        "fast_nvfp4_lora_split4": dict(attention_splits=4),
                        "fast_nvfp4_lora_split6": dict(attention_splits=6),
-                       "fast_nvfp4_lora_fusedrope": dict(fuse_rope=True),
-                       "fast_nvfp4_lora_fusedrope2": dict(fuse_rope=True, attention_splits=2),
-                       "fast_nvfp4_lora_fusedrope3": dict(fuse_rope=True, attention_splits=3),
-                       "fast_nvfp4_lora_fusedrope6": dict(fuse_rope=True, attention_splits=6),
+                       "fast_nvfp4_lora_split1": dict(attention_splits=1),
+                       "fast_nvfp4_lora_unfused": dict(fuse_rope=False),
                        "fast_nvfp4_lora_gemv": dict(gemv_max_m=8),
                        "fast_nvfp4_lora_humming": dict(gemv_max_m=0)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl", "fast_nvfp4_gemv",
-                 "fast_nvfp4_humming", "fast_bf16_fusedrope", *NVFP4_LORA_VARIANTS]
+                 "fast_nvfp4_humming", "fast_bf16_unfused", *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
@@ -487,8 +486,8 @@ def main() -> None:
             record("fast_bf16", lambda: run_fast(model, B, N, V), model)
         if "fast_bf16_nopdl" in cols:
             record("fast_bf16_nopdl", lambda: run_fast(model, B, N, V, pdl=False), model)
-        if "fast_bf16_fusedrope" in cols:
-            record("fast_bf16_fusedrope", lambda: run_fast(model, B, N, V, fuse_rope=True), model)
+        if "fast_bf16_unfused" in cols:
+            record("fast_bf16_unfused", lambda: run_fast(model, B, N, V, fuse_rope=False), model)
         if any(c.startswith(("fast_nvfp4", "fast_mxfp4")) or c == "hf_nf4" for c in cols):
             from qerl.quant.linear import quantize_model_
 

@@ -190,9 +190,10 @@ def test_silu_mul_epilogue(dt, m, inter, lora) -> None:
 
 
 def test_attention_splits_only_when_programs_would_leave_sms_idle() -> None:
+    assert A.MIN_SPLIT_SLOTS == 64
     assert A.attention_splits(64, 4, 1280, 132) == 1  # 256 programs: no split
-    assert A.attention_splits(1, 4, 1280, 132) == 5  # capacity bound: >= 256 slots a split
-    assert A.attention_splits(1, 4, 384, 132) == 1
+    assert A.attention_splits(1, 4, 1280, 132) == 20  # capacity bound: >= 64 slots a split
+    assert A.attention_splits(1, 4, 384, 132) == 6
     assert A.attention_splits(1, 4, 16384, 132) == 32  # at most 32
     assert A.attention_splits(8, 4, 8192, 132) == 9  # about two waves: ceil(264 / 32)
     assert A.attention_splits(1, 8, 100, 132) == 1

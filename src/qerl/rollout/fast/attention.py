@@ -8,7 +8,8 @@ them (and resets the counter): no second kernel.
 
 * :func:`attention`: the query already rotated (:func:`qerl.rollout.fast.kernels.qkv_rope` wrote
   it and the new K/V);
-* :func:`rope_attention`: the q/k/v GEMM's raw outputs instead (``FastEngine(fuse_rope=True)``):
+* :func:`rope_attention`: the q/k/v GEMM's raw outputs instead (``FastEngine(fuse_rope=True)``,
+  the default):
   each program finishes (epilogue: column scale, bias, LoRA) and rotates its own query heads in
   registers, and the split that holds ``slot`` finishes, rotates and writes the new K/V there
   first -- one launch a layer fewer, and the rotated queries never go through memory.
@@ -24,7 +25,10 @@ from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton
 __all__ = ["attention", "attention_splits", "rope_attention"]
 
 BL = 64  # cache slots a block of the online softmax
-MIN_SPLIT_SLOTS = 256  # capacity a split at least (below that, splitting measured no faster)
+# capacity a split at least: one block. With the merge inside the kernel, 7B B=1 at 384 slots ran
+# 2.96 ms a step with 6 splits against 3.05 with one (NVFP4 + LoRA, H100, run 85 of
+# docs/benchmarks.md); with a second kernel merging them, splits below 256 slots gained nothing
+MIN_SPLIT_SLOTS = BL
 
 
 def attention_splits(rows: int, n_kv: int, cap: int, sms: int) -> int:
