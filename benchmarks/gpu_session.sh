@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh "tests tune rollout7b64 rollout7b1 rollout32b"
 #   bash benchmarks/gpu_session.sh "rlstep7b rlstep32b rlstep72b"
 #   bash benchmarks/gpu_session.sh paper7b     (one phase per call: about 9 minutes)
+# RTAG: a suffix of the rollout phases' JSON names (a second run of a row in one call).
 # The humming tuning file ($OUT/humming_tuning.json) starts as a copy of the one the package ships
 # for this GPU (src/qerl/kernels/tuned/), so what a tune phase writes there is the whole file to ship.
 set -x
@@ -130,10 +131,10 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
     rollout7b64)
       timeout ${R64_TIMEOUT:-150} python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
         --columns ${COLS_7B64:-fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora} \
-        --json "$OUT/rollout_7b64.json" ;;
+        --json "$OUT/rollout_7b64${RTAG}.json" ;;
     rollout7b1)
       timeout ${R1_TIMEOUT:-90} python3 benchmarks/rollout_throughput.py --rows 7b-1 --profile \
-        --columns ${COLS_7B1:-fast_bf16,fast_nvfp4,fast_nvfp4_lora} --json "$OUT/rollout_7b1.json" ;;
+        --columns ${COLS_7B1:-fast_bf16,fast_nvfp4,fast_nvfp4_lora} --json "$OUT/rollout_7b1${RTAG}.json" ;;
     rollout7b8)
       timeout ${R8_TIMEOUT:-90} python3 benchmarks/rollout_throughput.py --rows 7b-8 \
         --columns ${COLS_7B8:-fast_bf16,fast_nvfp4_lora} --json "$OUT/rollout_7b8.json" ;;
@@ -144,7 +145,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         --columns fast_nvfp4_lora --json "$OUT/rollout_7b1long_nosplit.json" ;;
     rollout32b)
       timeout ${R32_TIMEOUT:-120} python3 benchmarks/rollout_throughput.py --rows 32b-32 ${PROFILE_32B:+--profile} \
-        --columns ${COLS_32B:-fast_bf16,fast_nvfp4_lora} --json "$OUT/rollout_32b32.json" ;;
+        --columns ${COLS_32B:-fast_bf16,fast_nvfp4_lora} --json "$OUT/rollout_32b32${RTAG}.json" ;;
     updatemem)  # activation bytes per token of the update, checkpointing on and off
       timeout 60 python3 benchmarks/update_memory.py --model 7b --format nvfp4 --rows 2,4 --json "$OUT/update_memory.json" ;;
     rlstep7b)  # the paper-like workload: 16 prompts x 8 samples, prompt 256, 1024 new tokens, 2 steps, 64 GiB
