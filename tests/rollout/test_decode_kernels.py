@@ -78,15 +78,20 @@ def _rot(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], -1)
 
 
+def _qkv_group(m: int, hq: int, hkv: int, d: int, dt, lora: bool):
+    """A q/k/v group's epilogue (column scale, bias, LoRA; its raw output q's), the float32
+    reference of the whole finished output, and k's and v's raw outputs."""
+    epi, ref, _ = _group(m, (hq + 2 * hkv) * d, 24, dt, True, True, lora)
+    raw = epi.raw
+    epi.raw = raw[:, :hq * d]
+    return epi, ref, raw[:, hq * d:(hq + hkv) * d], raw[:, (hq + hkv) * d:]
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("m,hq,hkv,d,lora", [(3, 4, 2, 32, True), (20, 6, 2, 16, False),
                                              (33, 4, 4, 64, True)])
 def test_qkv_rope_writes_rotated_cache(dt, m, hq, hkv, d, lora) -> None:
-    n = (hq + 2 * hkv) * d
-    epi, ref, _ = _group(m, n, 24, dt, True, True, lora)
-    raw = epi.raw
-    qv, kv, vv = raw[:, :hq * d], raw[:, hq * d:(hq + hkv) * d], raw[:, (hq + hkv) * d:]
-    epi.raw = qv
+    epi, ref, kv, vv = _qkv_group(m, hq, hkv, d, dt, lora)
     cap, slot = 16, 9
     kc = torch.full((m, hkv, cap, d), float("nan"), device=DEV, dtype=dt)
     vc = torch.full_like(kc, float("nan"))
@@ -150,11 +155,7 @@ def test_rope_attention_equals_rope_then_attention(dt, m, hq, hkv, d, splits, lo
     """RoPE and the cache write inside the attention kernel: the same new K/V in the cache, the
     same output as :func:`qkv_rope` then :func:`attention` (and the torch reference), nothing else
     of the cache written, the counters left zero."""
-    n = (hq + 2 * hkv) * d
-    epi, _, _ = _group(m, n, 24, dt, True, True, lora)
-    raw = epi.raw
-    qv, kv, vv = raw[:, :hq * d], raw[:, hq * d:(hq + hkv) * d], raw[:, (hq + hkv) * d:]
-    epi.raw = qv
+    epi, _, kv, vv = _qkv_group(m, hq, hkv, d, dt, lora)
     cap, slot = 200, 150
     g = torch.Generator(device=DEV).manual_seed(m + d)
     kc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
