@@ -1,0 +1,126 @@
+"""The fast engine's decode attention on one GPU: device time per call of one layer's attention
+at decode shapes, replayed as CUDA graphs over 8 layers' caches (more bytes than the L2 holds).
+
+    python benchmarks/attention.py [--model 7b] [--rows 1,64] [--ctx 256] [--splits 0,1,2,6]
+        [--json attention.json]
+
+Columns: ``rope_attention`` (RoPE and the K/V write inside the attention's launch, the engine's
+default, :func:`qerl.rollout.fast.attention.rope_attention`) and ``separate`` (``qkv_rope`` then
+``attention``) at each split count (0: the engine's choice, :func:`attention_splits`, for a cache
+of ``ctx`` + 128 slots). Per cell: microseconds a layer, the K/V bytes it reads (``ctx`` filled
+slots a row), their rate and its share of the measured copy bandwidth. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from qerl.rollout.fast import attention as A  # noqa: E402
+from qerl.rollout.fast import kernels as K  # noqa: E402
+
+HEADS = {"7b": (28, 4, 128), "32b": (40, 8, 128), "72b": (64, 8, 128)}
+LAYERS = 8
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per replay of ``fn`` captured as a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def copy_bw() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (graph_us(lambda: b.copy_(a), 10) * 1e-6)
+
+
+def cells(model: str, rows: int, ctx: int, splits: list[int], bw: float) -> list[dict]:
+    hq, hkv, d = HEADS[model]
+    cap, dev, dt = ctx + 128, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(rows)
+    n = (hq + 2 * hkv) * d
+    raw = [torch.randn(rows, n, device=dev, generator=g).to(dt) for _ in range(LAYERS)]
+    bias = torch.randn(n, device=dev, generator=g).to(dt)
+    kc = [torch.randn(rows, hkv, cap, d, device=dev, generator=g).to(dt) for _ in range(LAYERS)]
+    vc = [torch.randn(rows, hkv, cap, d, device=dev, generator=g).to(dt) for _ in range(LAYERS)]
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    slot = torch.tensor([ctx - 1], device=dev, dtype=torch.int32)
+    pad = torch.zeros(rows, device=dev, dtype=torch.int32)
+    cnt = torch.zeros(rows * hkv, device=dev, dtype=torch.int32)
+    kv_bytes = 2 * rows * hkv * ctx * d * 2
+    out = []
+    for s in splits:
+        S = s or A.attention_splits(rows, hkv, cap, torch.cuda.get_device_properties(0).multi_processor_count)
+
+        def fused(S=S):
+            for i in range(LAYERS):
+                epi = K.Epilogue(raw=raw[i][:, :hq * d], bias=bias)
+                A.rope_attention(epi, raw[i][:, hq * d:(hq + hkv) * d], raw[i][:, (hq + hkv) * d:],
+                                 kc[i], vc[i], inv, slot, pad, 1.0, hq, d, 0.09, S, cnt, pdl=True)
+
+        def separate(S=S):
+            for i in range(LAYERS):
+                epi = K.Epilogue(raw=raw[i][:, :hq * d], bias=bias)
+                q = K.qkv_rope(epi, raw[i][:, hq * d:(hq + hkv) * d], raw[i][:, (hq + hkv) * d:],
+                               kc[i], vc[i], inv, slot, pad, 1.0, hq, hkv, d, pdl=True)
+                A.attention(q, kc[i], vc[i], slot, pad, 0.09, S, cnt, pdl=True)
+
+        for name, fn in (("rope_attention", fused), ("separate", separate)):
+            us = graph_us(fn) / LAYERS
+            out.append({"model": model, "rows": rows, "ctx": ctx, "splits": S, "asked": s,
+                        "method": name, "us": us, "kv_bytes": kv_bytes,
+                        "gbps": kv_bytes / us * 1e-3, "frac_copy_bw": kv_bytes / (us * 1e-6) / bw})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="7b", choices=sorted(HEADS))
+    ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--ctx", default="256", help="filled KV slots a row (comma-separated)")
+    ap.add_argument("--splits", default="0,1,2,6", help="0: the engine's choice")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
+    bw = copy_bw()
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
+    res = [c for r in args.rows.split(",") for ctx in args.ctx.split(",")
+           for c in cells(args.model, int(r), int(ctx), [int(s) for s in args.splits.split(",")], bw)]
+    print("\n| model | rows | ctx | splits | method | us a layer | GB/s | % copy bw |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in res:
+        print(f"| {c['model']} | {c['rows']} | {c['ctx']} | {c['splits']} | {c['method']} | "
+              f"{c['us']:.1f} | {c['gbps']:.0f} | {100 * c['frac_copy_bw']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "command": "python " + " ".join(sys.argv), "cells": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
