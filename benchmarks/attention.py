@@ -2,12 +2,13 @@
 at decode shapes, replayed as CUDA graphs over 8 layers' caches (more bytes than the L2 holds).
 
     python benchmarks/attention.py [--model 7b] [--rows 1,64] [--ctx 256] [--splits 0,1,2,6]
-        [--json attention.json]
+        [--tunes 64x4,32x4,128x8] [--json attention.json]
 
 Columns: ``rope_attention`` (RoPE and the K/V write inside the attention's launch, the engine's
 default, :func:`qerl.rollout.fast.attention.rope_attention`) and ``separate`` (``qkv_rope`` then
 ``attention``) at each split count (0: the engine's choice, :func:`attention_splits`, for a cache
-of ``ctx`` + 128 slots). Per cell: microseconds a layer, the K/V bytes it reads (``ctx`` filled
+of ``ctx`` + 128 slots), and for ``rope_attention`` at the engine's splits each launch variant of
+``--tunes`` (``<slots a block>x<warps>[s<stages>]``; the engine's is 64x4). Per cell: microseconds a layer, the K/V bytes it reads (``ctx`` filled
 slots a row), their rate and its share of the measured copy bandwidth. Prints a table, writes JSON.
 """
 
@@ -56,7 +57,15 @@ def copy_bw() -> float:
     return 2 * a.numel() / (graph_us(lambda: b.copy_(a), 10) * 1e-6)
 
 
-def cells(model: str, rows: int, ctx: int, splits: list[int], bw: float) -> list[dict]:
+def parse_tune(t: str) -> dict:
+    """``64x4`` / ``32x8s2`` -> the kernel's launch options."""
+    bl, rest = t.split("x")
+    warps, _, stages = rest.partition("s")
+    return {"BL": int(bl), "num_warps": int(warps), **({"num_stages": int(stages)} if stages else {})}
+
+
+def cells(model: str, rows: int, ctx: int, splits: list[int], tunes: list[str],
+          bw: float) -> list[dict]:
     hq, hkv, d = HEADS[model]
     cap, dev, dt = ctx + 128, "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(rows)
@@ -71,14 +80,16 @@ def cells(model: str, rows: int, ctx: int, splits: list[int], bw: float) -> list
     cnt = torch.zeros(rows * hkv, device=dev, dtype=torch.int32)
     kv_bytes = 2 * rows * hkv * ctx * d * 2
     out = []
-    for s in splits:
-        S = s or A.attention_splits(rows, hkv, cap, torch.cuda.get_device_properties(0).multi_processor_count)
+    auto = A.attention_splits(rows, hkv, cap, torch.cuda.get_device_properties(0).multi_processor_count)
+    runs = [(s or auto, None) for s in splits] + [(auto, t) for t in tunes]
+    for S, tune in runs:
 
-        def fused(S=S):
+        def fused(S=S, tune=tune):
             for i in range(LAYERS):
                 epi = K.Epilogue(raw=raw[i][:, :hq * d], bias=bias)
                 A.rope_attention(epi, raw[i][:, hq * d:(hq + hkv) * d], raw[i][:, (hq + hkv) * d:],
-                                 kc[i], vc[i], inv, slot, pad, 1.0, hq, d, 0.09, S, cnt, pdl=True)
+                                 kc[i], vc[i], inv, slot, pad, 1.0, hq, d, 0.09, S, cnt, pdl=True,
+                                 tune=parse_tune(tune) if tune else None)
 
         def separate(S=S):
             for i in range(LAYERS):
@@ -87,9 +98,11 @@ def cells(model: str, rows: int, ctx: int, splits: list[int], bw: float) -> list
                                kc[i], vc[i], inv, slot, pad, 1.0, hq, hkv, d, pdl=True)
                 A.attention(q, kc[i], vc[i], slot, pad, 0.09, S, cnt, pdl=True)
 
-        for name, fn in (("rope_attention", fused), ("separate", separate)):
+        methods = (("rope_attention", fused), ("separate", separate)) if tune is None else \
+            ((f"rope_attention_{tune}", fused),)
+        for name, fn in methods:
             us = graph_us(fn) / LAYERS
-            out.append({"model": model, "rows": rows, "ctx": ctx, "splits": S, "asked": s,
+            out.append({"model": model, "rows": rows, "ctx": ctx, "splits": S,
                         "method": name, "us": us, "kv_bytes": kv_bytes,
                         "gbps": kv_bytes / us * 1e-3, "frac_copy_bw": kv_bytes / (us * 1e-6) / bw})
             print(json.dumps(out[-1]), flush=True)
@@ -102,6 +115,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--ctx", default="256", help="filled KV slots a row (comma-separated)")
     ap.add_argument("--splits", default="0,1,2,6", help="0: the engine's choice")
+    ap.add_argument("--tunes", default="", help="launch variants of rope_attention, e.g. 32x4,128x8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -109,7 +123,8 @@ def main() -> None:
     bw = copy_bw()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     res = [c for r in args.rows.split(",") for ctx in args.ctx.split(",")
-           for c in cells(args.model, int(r), int(ctx), [int(s) for s in args.splits.split(",")], bw)]
+           for c in cells(args.model, int(r), int(ctx), [int(s) for s in args.splits.split(",")],
+                          [t for t in args.tunes.split(",") if t], bw)]
     print("\n| model | rows | ctx | splits | method | us a layer | GB/s | % copy bw |")
     print("|---|---|---|---|---|---|---|---|")
     for c in res:

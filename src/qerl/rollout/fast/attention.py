@@ -165,7 +165,7 @@ if HAS_TRITON:
 def _launch(q_args: tuple, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
             pad: torch.Tensor, scaling: float, m: int, hq: int, d: int, splits: int,
             counters: torch.Tensor | None, dtype: torch.dtype, rope: dict, epi: dict,
-            pdl: bool) -> torch.Tensor:
+            pdl: bool, tune: dict | None) -> torch.Tensor:
     hkv = kc.shape[1]
     g = hq // hkv
     out = torch.empty((m, hq * d), dtype=dtype, device=kc.device)
@@ -184,29 +184,31 @@ def _launch(q_args: tuple, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tenso
     _attn_kernel[(m, hkv, splits)](
         *q_args, kc, vc, kc.stride(0), kc.stride(1), kc.stride(2), rope["invf"], slot, pad,
         rope["scale"], scaling * 1.4426950408889634, out, out.stride(0), pacc, pm, pl, counters,
-        HQ=hq, HKV=hkv, G=g, GP=max(16, np2(g)), D=d, DP=max(16, np2(d)), BL=BL, S=splits,
-        ROPE=rope["on"], num_warps=4, **epi, **launch_kw(pdl))
+        HQ=hq, HKV=hkv, G=g, GP=max(16, np2(g)), D=d, DP=max(16, np2(d)), S=splits,
+        ROPE=rope["on"], **{"BL": BL, "num_warps": 4, **(tune or {})}, **epi, **launch_kw(pdl))
     return out
 
 
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
               pad: torch.Tensor, scaling: float, splits: int = 1,
-              counters: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+              counters: torch.Tensor | None = None, pdl: bool = False,
+              tune: dict | None = None) -> torch.Tensor:
     """Decode attention of the rotated ``q [M, Hq, D]`` over cache slots ``pad[b] .. slot``:
     ``[M, Hq*D]``. ``splits > 1``: the slots split over that many programs a (row, KV head),
     merged by the last (``counters``: int32 zeros, ``[M * KV heads]``, left zeros; a fresh
-    set when ``None``)."""
+    set when ``None``). ``tune``: launch options for benchmarks (``BL``: slots a block, 64;
+    ``num_warps``: 4; ``num_stages``)."""
     m, hq, d = q.shape
     q_args = (q, hq * d, q, q, 0, 0, q, q, q, 0)  # q, sq, k, v, sk, sv, cs, bias, lora, slo
     return _launch(q_args, kc, vc, slot, pad, scaling, m, hq, d, splits, counters, q.dtype,
-                   {"invf": q, "scale": 1.0, "on": False}, _flags(None), pdl)
+                   {"invf": q, "scale": 1.0, "on": False}, _flags(None), pdl, tune)
 
 
 def rope_attention(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
                    vc: torch.Tensor, inv_freq: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor,
                    rope_scale: float, n_heads: int, head_dim: int, scaling: float,
                    splits: int = 1, counters: torch.Tensor | None = None,
-                   pdl: bool = False) -> torch.Tensor:
+                   pdl: bool = False, tune: dict | None = None) -> torch.Tensor:
     """:func:`qerl.rollout.fast.kernels.qkv_rope` and :func:`attention` in one launch: ``q``
     describes the q/k/v group's epilogue (its raw output the q member's), ``k``/``v`` are the
     other members' raw outputs; writes the rotated K and V at cache slot ``slot`` and returns
@@ -217,4 +219,5 @@ def rope_attention(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tens
     raw = q.raw
     q_args = (raw, raw.stride(0), k, v, k.stride(0), v.stride(0), *_epi_args(q, k))
     return _launch(q_args, kc, vc, slot, pad, scaling, m, n_heads, head_dim, splits, counters,
-                   k.dtype, {"invf": inv_freq, "scale": rope_scale, "on": True}, _flags(q), pdl)
+                   k.dtype, {"invf": inv_freq, "scale": rope_scale, "on": True}, _flags(q), pdl,
+                   tune)
