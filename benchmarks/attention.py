@@ -8,8 +8,9 @@ Columns: ``rope_attention`` (RoPE and the K/V write inside the attention's launc
 default, :func:`qerl.rollout.fast.attention.rope_attention`) and ``separate`` (``qkv_rope`` then
 ``attention``) at each split count (0: the engine's choice, :func:`attention_splits`, for a cache
 of ``ctx`` + 128 slots), and for ``rope_attention`` at the engine's splits each launch variant of
-``--tunes`` (``<slots a block>x<warps>[s<stages>]``; the engine's is 64x4). Per cell: microseconds a layer, the K/V bytes it reads (``ctx`` filled
-slots a row), their rate and its share of the measured copy bandwidth. Prints a table, writes JSON.
+``--tunes`` (``<slots a block>x<warps>[s<stages>]``; the engine's is 64x4s2). Per cell:
+microseconds a layer, the K/V bytes it reads (``ctx`` filled slots a row), their rate and its
+share of the measured copy bandwidth. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def parse_tune(t: str) -> dict:
     """``64x4`` / ``32x8s2`` -> the kernel's launch options."""
     bl, rest = t.split("x")
     warps, _, stages = rest.partition("s")
-    return {"BL": int(bl), "num_warps": int(warps), **({"num_stages": int(stages)} if stages else {})}
+    return {"BL": int(bl), "num_warps": int(warps),
+            **({"num_stages": int(stages)} if stages else {})}
 
 
 def cells(model: str, rows: int, ctx: int, splits: list[int], tunes: list[str],
@@ -80,7 +82,8 @@ def cells(model: str, rows: int, ctx: int, splits: list[int], tunes: list[str],
     cnt = torch.zeros(rows * hkv, device=dev, dtype=torch.int32)
     kv_bytes = 2 * rows * hkv * ctx * d * 2
     out = []
-    auto = A.attention_splits(rows, hkv, cap, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    auto = A.attention_splits(rows, hkv, cap, sms)
     runs = [(s or auto, None) for s in splits] + [(auto, t) for t in tunes]
     for S, tune in runs:
 
@@ -115,7 +118,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--ctx", default="256", help="filled KV slots a row (comma-separated)")
     ap.add_argument("--splits", default="0,1,2,6", help="0: the engine's choice")
-    ap.add_argument("--tunes", default="", help="launch variants of rope_attention, e.g. 32x4,128x8")
+    ap.add_argument("--tunes", default="",
+                    help="launch variants of rope_attention, e.g. 32x4,128x8,64x4s3")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():

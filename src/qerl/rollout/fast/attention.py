@@ -24,7 +24,10 @@ from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton
 
 __all__ = ["attention", "attention_splits", "rope_attention"]
 
-BL = 64  # cache slots a block of the online softmax
+# cache slots a block of the online softmax; launched with 4 warps and 2 stages (7B, 256 slots,
+# H100, run 86 of docs/benchmarks.md: 15.9 us a layer at 64 rows against 17.6 with 3 stages, 16.0
+# with 32 slots a block, 19.6-20.9 with 128 or 8 warps; 5.2 against 5.6 at one row)
+BL = 64
 # capacity a split at least: one block. With the merge inside the kernel, 7B B=1 at 384 slots ran
 # 2.96 ms a step with 6 splits against 3.05 with one (NVFP4 + LoRA, H100, run 85 of
 # docs/benchmarks.md); with a second kernel merging them, splits below 256 slots gained nothing
@@ -185,7 +188,8 @@ def _launch(q_args: tuple, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tenso
         *q_args, kc, vc, kc.stride(0), kc.stride(1), kc.stride(2), rope["invf"], slot, pad,
         rope["scale"], scaling * 1.4426950408889634, out, out.stride(0), pacc, pm, pl, counters,
         HQ=hq, HKV=hkv, G=g, GP=max(16, np2(g)), D=d, DP=max(16, np2(d)), S=splits,
-        ROPE=rope["on"], **{"BL": BL, "num_warps": 4, **(tune or {})}, **epi, **launch_kw(pdl))
+        ROPE=rope["on"], **{"BL": BL, "num_warps": 4, "num_stages": 2, **(tune or {})}, **epi,
+        **launch_kw(pdl))
     return out
 
 
@@ -197,7 +201,7 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.T
     ``[M, Hq*D]``. ``splits > 1``: the slots split over that many programs a (row, KV head),
     merged by the last (``counters``: int32 zeros, ``[M * KV heads]``, left zeros; a fresh
     set when ``None``). ``tune``: launch options for benchmarks (``BL``: slots a block, 64;
-    ``num_warps``: 4; ``num_stages``)."""
+    ``num_warps``: 4; ``num_stages``: 2)."""
     m, hq, d = q.shape
     q_args = (q, hq * d, q, q, 0, 0, q, q, q, 0)  # q, sq, k, v, sk, sv, cs, bias, lora, slo
     return _launch(q_args, kc, vc, slot, pad, scaling, m, hq, d, splits, counters, q.dtype,
