@@ -4,11 +4,10 @@ at decode shapes, replayed as CUDA graphs over 8 layers' caches (more bytes than
     python benchmarks/attention.py [--model 7b] [--rows 1,64] [--ctx 256] [--splits 0,1,2,6]
         [--tunes 64x4,32x4,128x8] [--json attention.json]
 
-Columns: ``rope_attention`` (RoPE and the K/V write inside the attention's launch, the engine's
-default, :func:`qerl.rollout.fast.attention.rope_attention`) and ``separate`` (``qkv_rope`` then
-``attention``) at each split count (0: the engine's choice, :func:`attention_splits`, for a cache
-of ``ctx`` + 128 slots), and for ``rope_attention`` at the engine's splits each launch variant of
-``--tunes`` (``<slots a block>x<warps>[s<stages>]``; the engine's is 64x4s2). Per cell:
+Columns: :func:`qerl.rollout.fast.attention.rope_attention` (the q/k/v epilogue, RoPE and the
+K/V write inside the attention's launch) at each split count (0: the engine's choice,
+:func:`attention_splits`, for a cache of ``ctx`` + 128 slots), and at the engine's splits each
+launch variant of ``--tunes`` (``<slots a block>x<warps>[s<stages>]``; the engine's is 64x4s2). Per cell:
 microseconds a layer, the K/V bytes it reads (``ctx`` filled slots a row), their rate and its
 share of the measured copy bandwidth. Prints a table, writes JSON.
 """
@@ -87,28 +86,19 @@ def cells(model: str, rows: int, ctx: int, splits: list[int], tunes: list[str],
     runs = [(s or auto, None) for s in splits] + [(auto, t) for t in tunes]
     for S, tune in runs:
 
-        def fused(S=S, tune=tune):
+        def layers(S=S, tune=tune):
             for i in range(LAYERS):
                 epi = K.Epilogue(raw=raw[i][:, :hq * d], bias=bias)
                 A.rope_attention(epi, raw[i][:, hq * d:(hq + hkv) * d], raw[i][:, (hq + hkv) * d:],
                                  kc[i], vc[i], inv, slot, pad, 1.0, hq, d, 0.09, S, cnt, pdl=True,
                                  tune=parse_tune(tune) if tune else None)
 
-        def separate(S=S):
-            for i in range(LAYERS):
-                epi = K.Epilogue(raw=raw[i][:, :hq * d], bias=bias)
-                q = K.qkv_rope(epi, raw[i][:, hq * d:(hq + hkv) * d], raw[i][:, (hq + hkv) * d:],
-                               kc[i], vc[i], inv, slot, pad, 1.0, hq, hkv, d, pdl=True)
-                A.attention(q, kc[i], vc[i], slot, pad, 0.09, S, cnt, pdl=True)
-
-        methods = (("rope_attention", fused), ("separate", separate)) if tune is None else \
-            ((f"rope_attention_{tune}", fused),)
-        for name, fn in methods:
-            us = graph_us(fn) / LAYERS
-            out.append({"model": model, "rows": rows, "ctx": ctx, "splits": S,
-                        "method": name, "us": us, "kv_bytes": kv_bytes,
-                        "gbps": kv_bytes / us * 1e-3, "frac_copy_bw": kv_bytes / (us * 1e-6) / bw})
-            print(json.dumps(out[-1]), flush=True)
+        us = graph_us(layers) / LAYERS
+        out.append({"model": model, "rows": rows, "ctx": ctx, "splits": S,
+                    "method": "rope_attention" + (f"_{tune}" if tune else ""), "us": us,
+                    "kv_bytes": kv_bytes, "gbps": kv_bytes / us * 1e-3,
+                    "frac_copy_bw": kv_bytes / (us * 1e-6) / bw})
+        print(json.dumps(out[-1]), flush=True)
     return out
 
 

@@ -57,11 +57,11 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
         tests/rollout/test_fast_engine.py::test_gpu_waves_match_teacher_forcing \
         tests/rollout/test_fast_engine.py::test_gpu_single_copy_keeps_one_copy_and_the_same_rollout \
         tests/kernels/test_tuning_cache.py 2>&1 | tail -25; echo "pytest rc=${PIPESTATUS[0]}" ;;
-    attn)  # the decode attention alone (benchmarks/attention.py): RoPE inside its launch or not, splits
+    attn)  # the decode attention alone (benchmarks/attention.py): splits, launch variants (ATTN_TUNES)
       timeout ${ATTN_TIMEOUT:-90} python3 benchmarks/attention.py --model ${ATTN_MODEL:-7b} --rows ${ATTN_ROWS:-1,64} \
         --ctx ${ATTN_CTX:-256} --splits ${ATTN_SPLITS:-0,1,2,6} ${ATTN_TUNES:+--tunes $ATTN_TUNES} --json "$OUT/attention_${ATTN_MODEL:-7b}.json" ;;
-    ropetests)  # the decode attention with RoPE inside its launch against RoPE then attention (and
-      # in-kernel merges of the splits), then the engine at 7B width with it (two pytest calls)
+    ropetests)  # the decode attention (RoPE and the K/V write in its launch, the splits merged in it)
+      # against torch, then the engine at 7B width (two pytest calls)
       timeout 100 python3 -m pytest -p no:cacheprovider -n 8 -rfE tests/rollout/test_decode_kernels.py \
         -k "attention or rope" 2>&1 | tail -15; echo "pytest rc=${PIPESTATUS[0]}"
       timeout ${ROPETESTS_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -n 8 -rfE \

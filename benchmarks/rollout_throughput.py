@@ -34,10 +34,7 @@ slots in that many splits, ``FastEngine(attention_splits=...)``; the default cho
 ``fast_nvfp4_gemv`` /
 ``fast_nvfp4_lora_gemv`` (decode waves of up to 8 rows through our FP4 GEMV instead of humming,
 ``FastEngine(gemv_max_m=8)``; the default is 1 row), ``fast_nvfp4_humming`` /
-``fast_nvfp4_lora_humming`` (humming at every row count, ``FastEngine(gemv_max_m=0)``),
-``fast_bf16_unfused`` / ``fast_nvfp4_lora_unfused`` (RoPE and the K/V write in a kernel of their
-own before the attention, ``FastEngine(fuse_rope=False)``; the default has them inside its
-launch). Per cell: tokens/s
+``fast_nvfp4_lora_humming`` (humming at every row count, ``FastEngine(gemv_max_m=0)``). Per cell: tokens/s
 (B*N over prefill + decode), ms per decode step, peak GiB (the variant's weights + the run's peak
 extra allocation), and the floor of a decode step -- bytes that must move (weights in their
 format, LoRA, LM head, the KV cache at the mean context, logits) over the measured copy
@@ -104,11 +101,10 @@ NVFP4_LORA_VARIANTS = {"fast_nvfp4_lora_seq": dict(lora_overlap=False),
                        "fast_nvfp4_lora_split4": dict(attention_splits=4),
                        "fast_nvfp4_lora_split6": dict(attention_splits=6),
                        "fast_nvfp4_lora_split1": dict(attention_splits=1),
-                       "fast_nvfp4_lora_unfused": dict(fuse_rope=False),
                        "fast_nvfp4_lora_gemv": dict(gemv_max_m=8),
                        "fast_nvfp4_lora_humming": dict(gemv_max_m=0)}
 EXTRA_COLUMNS = ["hf_nf4", "fast_nvfp4_ct", "fast_bf16_nopdl", "fast_nvfp4_nopdl", "fast_nvfp4_gemv",
-                 "fast_nvfp4_humming", "fast_bf16_unfused", *NVFP4_LORA_VARIANTS]
+                 "fast_nvfp4_humming", *NVFP4_LORA_VARIANTS]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = 128
 TOP_P = 0.95  # --top-p (1.0: the pipeline's default, sampling without a nucleus)
@@ -307,7 +303,6 @@ def run_fast(model, B: int, N: int, vocab: int, **engine_kw) -> dict:
 CHECK = False
 PROFILE = False
 FAMILIES = [("humming", "humming"), ("fp4_gemv", "fp4 GEMV"), ("lora_kernel", "fused LoRA"),
-            ("qkv_rope", "rope+qkv epi"),
             ("add_rmsnorm", "add+rmsnorm"), ("attn_kernel", "attention"),
             ("silu_mul", "silu-mul"), ("fp4_dequant", "fp4 dequant"),
             ("gemm", "cuBLAS"), ("gemv", "cuBLAS"), ("xmma", "cuBLAS"), ("cutlass", "cuBLAS"),
@@ -486,8 +481,6 @@ def main() -> None:
             record("fast_bf16", lambda: run_fast(model, B, N, V), model)
         if "fast_bf16_nopdl" in cols:
             record("fast_bf16_nopdl", lambda: run_fast(model, B, N, V, pdl=False), model)
-        if "fast_bf16_unfused" in cols:
-            record("fast_bf16_unfused", lambda: run_fast(model, B, N, V, fuse_rope=False), model)
         if any(c.startswith(("fast_nvfp4", "fast_mxfp4")) or c == "hf_nf4" for c in cols):
             from qerl.quant.linear import quantize_model_
 

@@ -73,11 +73,6 @@ def test_add_rmsnorm_with_epilogue(dt, cs, bias, lora, one_pass_max) -> None:
         < TOL[dt]
 
 
-def _rot(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], -1)
-
-
 def _qkv_group(m: int, hq: int, hkv: int, d: int, dt, lora: bool):
     """A q/k/v group's epilogue (column scale, bias, LoRA; its raw output q's), the float32
     reference of the whole finished output, and k's and v's raw outputs."""
@@ -87,29 +82,9 @@ def _qkv_group(m: int, hq: int, hkv: int, d: int, dt, lora: bool):
     return epi, ref, raw[:, hq * d:(hq + hkv) * d], raw[:, (hq + hkv) * d:]
 
 
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("m,hq,hkv,d,lora", [(3, 4, 2, 32, True), (20, 6, 2, 16, False),
-                                             (33, 4, 4, 64, True)])
-def test_qkv_rope_writes_rotated_cache(dt, m, hq, hkv, d, lora) -> None:
-    epi, ref, kv, vv = _qkv_group(m, hq, hkv, d, dt, lora)
-    cap, slot = 16, 9
-    kc = torch.full((m, hkv, cap, d), float("nan"), device=DEV, dtype=dt)
-    vc = torch.full_like(kc, float("nan"))
-    pad = torch.randint(0, 5, (m,), device=DEV, dtype=torch.int32)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
-    qo = K.qkv_rope(epi, kv, vv, kc, vc, inv, torch.tensor([slot], device=DEV, dtype=torch.int32),
-                    pad, 1.0, hq, hkv, d)
-    pos = (slot - pad).float()
-    f = pos[:, None] * inv[None, :]
-    cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
-    full = ref.to(dt).float()
-    q = full[:, :hq * d].view(m, hq, d)
-    k = full[:, hq * d:(hq + hkv) * d].view(m, hkv, d)
-    v = full[:, (hq + hkv) * d:].view(m, hkv, d)
-    assert _rel(qo, q * cos + _rot(q) * sin) < TOL[dt]
-    assert _rel(kc[:, :, slot], k * cos + _rot(k) * sin) < TOL[dt]
-    assert _rel(vc[:, :, slot], v) < TOL[dt]
-    assert torch.isnan(kc[:, :, :slot]).all()  # nothing else written
+def _rot(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
 
 
 def _attention_ref(q, kc, vc, pad, slot, scale):
@@ -125,57 +100,48 @@ def _attention_ref(q, kc, vc, pad, slot, scale):
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("splits,slot", [(1, 70), (3, 70), (7, 70), (4, 200)])
-def test_attention_over_filled_slots(dt, splits, slot) -> None:
-    """Every row sees exactly its slots ``pad .. slot``, split or not (7 splits of 71 slots
-    leave some splits empty for the rows with short contexts); the last split of each (row, KV
-    head) merges them and leaves its counter at zero, so the same counters serve the next call."""
-    m, hq, hkv, d, cap = 5, 8, 2, 32, 240
-    g = torch.Generator(device=DEV).manual_seed(3)
-    q = torch.randn(m, hq, d, device=DEV, generator=g).to(dt)
-    kc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
-    vc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
-    kc[:, :, slot + 1:] = float("nan")  # never read
-    pad = torch.tensor([0, 3, 64, 10, 69], device=DEV, dtype=torch.int32)
-    cnt = torch.zeros(m * hkv, dtype=torch.int32, device=DEV)
-    sl = torch.tensor([slot], device=DEV, dtype=torch.int32)
-    ref = _attention_ref(q, kc, vc, pad, slot, 0.2)
-    for _ in range(2):
-        out = A.attention(q, kc, vc, sl, pad, 0.2, splits, cnt)
-        assert _rel(out, ref) < TOL[dt]
-        assert not cnt.any()
-    with pytest.raises(ValueError, match="counters must be int32 zeros of at least"):
-        A.attention(q, kc, vc, sl, pad, 0.2, 2, torch.zeros(3, dtype=torch.int32, device=DEV))
-
-
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("m,hq,hkv,d,splits,lora", [(3, 4, 2, 32, 1, True), (2, 6, 2, 16, 3, False),
-                                                    (4, 8, 2, 64, 5, True), (1, 28, 4, 128, 6, True)])
-def test_rope_attention_equals_rope_then_attention(dt, m, hq, hkv, d, splits, lora) -> None:
-    """RoPE and the cache write inside the attention kernel: the same new K/V in the cache, the
-    same output as :func:`qkv_rope` then :func:`attention` (and the torch reference), nothing else
-    of the cache written, the counters left zero."""
-    epi, _, kv, vv = _qkv_group(m, hq, hkv, d, dt, lora)
-    cap, slot = 200, 150
+@pytest.mark.parametrize("m,hq,hkv,d,splits,slot,pads,lora", [
+    (3, 4, 2, 32, 1, 150, None, True), (2, 6, 2, 16, 3, 150, None, False),
+    (4, 8, 2, 64, 5, 150, None, True), (1, 28, 4, 128, 6, 150, None, True),
+    (20, 4, 4, 16, 1, 9, None, False),
+    # 7 splits of 71 slots: the rows with short contexts have empty splits
+    (5, 8, 2, 32, 7, 70, [0, 3, 64, 10, 69], True), (5, 8, 2, 32, 4, 200, [0, 3, 64, 10, 69], False)])
+def test_rope_attention_against_torch(dt, m, hq, hkv, d, splits, slot, pads, lora) -> None:
+    """The q/k/v epilogue, RoPE and the cache write inside the attention's launch: the rotated new
+    K and V at ``slot`` (nothing after it written), each row attending exactly its slots
+    ``pad .. slot``, split or not; the last split of each (row, KV head) merges them and leaves
+    its counter at zero, so the same counters serve the next call."""
+    epi, ref, kv, vv = _qkv_group(m, hq, hkv, d, dt, lora)
+    cap = slot + 50
     g = torch.Generator(device=DEV).manual_seed(m + d)
     kc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
     vc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
     kc[:, :, slot:] = float("nan")  # slot: written by the kernel; beyond: never read
     vc[:, :, slot:] = float("nan")
-    kc2, vc2 = kc.clone(), vc.clone()
-    pad = torch.randint(0, 100, (m,), device=DEV, dtype=torch.int32)
+    pad = (torch.tensor(pads, dtype=torch.int32) if pads else
+           torch.randint(0, slot // 2 + 1, (m,), dtype=torch.int32)).to(DEV)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    f = (slot - pad).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat([f, f], -1).cos()[:, None] * 0.9, torch.cat([f, f], -1).sin()[:, None] * 0.9
+    full = ref.to(dt).float()
+    q = full[:, :hq * d].view(m, hq, d)
+    k = full[:, hq * d:(hq + hkv) * d].view(m, hkv, d)
+    v = full[:, (hq + hkv) * d:].view(m, hkv, d)
+    q_rot, k_rot = (q * cos + _rot(q) * sin).to(dt), (k * cos + _rot(k) * sin).to(dt)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc_ref[:, :, slot], vc_ref[:, :, slot] = k_rot, v.to(dt)
+    want = _attention_ref(q_rot, kc_ref, vc_ref, pad, slot, 0.3)
     sl = torch.tensor([slot], device=DEV, dtype=torch.int32)
     cnt = torch.zeros(m * hkv, dtype=torch.int32, device=DEV)
-    out = A.rope_attention(epi, kv, vv, kc, vc, inv, sl, pad, 0.9, hq, d, 0.3, splits, cnt)
-    qo = K.qkv_rope(epi, kv, vv, kc2, vc2, inv, sl, pad, 0.9, hq, hkv, d)
-    ref = A.attention(qo, kc2, vc2, sl, pad, 0.3, 1)
-    assert _rel(kc[:, :, slot], kc2[:, :, slot]) < TOL[dt] / 4
-    assert _rel(vc[:, :, slot], vc2[:, :, slot]) < TOL[dt] / 4
-    assert torch.isnan(kc[:, :, slot + 1:]).all() and torch.isnan(vc[:, :, slot + 1:]).all()
-    assert _rel(out, ref) < TOL[dt]
-    assert _rel(out, _attention_ref(qo, kc2, vc2, pad, slot, 0.3)) < TOL[dt]
-    assert not cnt.any()
+    for _ in range(2):
+        out = A.rope_attention(epi, kv, vv, kc, vc, inv, sl, pad, 0.9, hq, d, 0.3, splits, cnt)
+        assert _rel(kc[:, :, slot], k_rot) < TOL[dt] / 4 and _rel(vc[:, :, slot], v) < TOL[dt] / 4
+        assert torch.isnan(kc[:, :, slot + 1:]).all() and torch.isnan(vc[:, :, slot + 1:]).all()
+        assert _rel(out, want) < TOL[dt]
+        assert not cnt.any()
+    with pytest.raises(ValueError, match="counters must be int32 zeros of at least"):
+        A.rope_attention(epi, kv, vv, kc, vc, inv, sl, pad, 0.9, hq, d, 0.3, 2,
+                         torch.zeros(3, dtype=torch.int32, device=DEV))
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -451,6 +417,7 @@ import triton.language as tl
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from qerl.rollout.fast import attention as A
 from qerl.rollout.fast import kernels as K
 cases = {
     K._add_rmsnorm_kernel: ({"h_ptr": "*bf16", "d_ptr": "*bf16", "sd": "i32", "off": "i32",
@@ -462,6 +429,14 @@ cases = {
                           "cs_ptr": "*fp32", "b_ptr": "*bf16", "lo_ptr": "*bf16", "slo": "i32",
                           "act_ptr": "*bf16", "M": "i32", "NI": "i32"},
                          dict(HAS_CS=True, HAS_BIAS=False, HAS_LORA=True, BM=16, BN=128)),
+    A._attn_kernel: ({**{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "b_ptr", "lo_ptr", "kc_ptr",
+                                                "vc_ptr", "o_ptr")},
+                      **{p: "*fp32" for p in ("cs_ptr", "invf_ptr", "pacc_ptr", "pm_ptr", "pl_ptr")},
+                      **{p: "*i32" for p in ("slot_ptr", "pad_ptr", "cnt_ptr")},
+                      **{p: "i32" for p in ("sq", "sk", "sv", "slo", "skb", "skh", "skl", "so")},
+                      "rope_scale": "fp32", "qk_scale": "fp32"},
+                     dict(HQ=28, HKV=4, G=7, GP=16, D=128, DP=128, BL=64, S=6, HAS_CS=True,
+                          HAS_BIAS=True, HAS_LORA=True)),
 }
 for fn, (types, const) in cases.items():
     for pdl in (False, True):

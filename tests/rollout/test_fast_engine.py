@@ -318,8 +318,6 @@ def test_bad_engine_options() -> None:
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="attention_splits"):
             FastEngine(attention_splits=bad)
-    with pytest.raises(ValueError, match="fuse_rope must be True, False or None"):
-        FastEngine(fuse_rope="yes")
     with pytest.raises(ValueError, match="lora_kernel must be fused, gemv or cublas"):
         FastEngine(lora_kernel="triton")
     for bad in (0, 65, True, 1.0):
@@ -353,13 +351,12 @@ def test_bad_engine_options() -> None:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
                     reason="CPU check of the Triton decode step, under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt,splits,lora_kernel,one_row,max_rows,fuse", [
-    (None, 1, "fused", True, 64, False), ("nvfp4", 1, "fused", True, 64, False),
-    ("nvfp4", 3, "cublas", False, 64, False), ("nvfp4", 1, "fused", False, 64, False),
-    ("nvfp4", 1, "fused", False, 1, False),  # more rows than fused_lora_max_rows: the cuBLAS pair
-    ("nvfp4", 3, "fused", False, 64, True), (None, 1, "fused", True, 64, True)])  # RoPE fused
+@pytest.mark.parametrize("fmt,splits,lora_kernel,one_row,max_rows", [
+    (None, 1, "fused", True, 64), ("nvfp4", 1, "fused", True, 64), ("nvfp4", 3, "cublas", False, 64),
+    ("nvfp4", 1, "fused", False, 64), ("nvfp4", 3, "fused", False, 64),
+    ("nvfp4", 1, "fused", False, 1)])  # more rows than fused_lora_max_rows: the cuBLAS pair
 def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits, lora_kernel, one_row,
-                                                          max_rows, fuse) -> None:
+                                                          max_rows) -> None:
     pytest.importorskip("triton")
     model = _model("qwen2", fmt=fmt, lora=True)
     prompts = PROMPTS[:1] if one_row else PROMPTS
@@ -368,7 +365,7 @@ def test_triton_decode_step_equals_torch_path_interpreted(fmt, splits, lora_kern
     ref = FastEngine(backend="torch").generate(model, prompts, sp,
                                                generator=torch.Generator().manual_seed(0))
     eng = FastEngine(backend="triton", attention_splits=splits, lora_kernel=lora_kernel,
-                     fused_lora_max_rows=max_rows, fuse_rope=fuse)
+                     fused_lora_max_rows=max_rows)
     out = eng.generate(model, prompts, sp, generator=torch.Generator().manual_seed(0))
     assert eng.last_stats["backend"] == "triton"
     rows = len(prompts) * sp.n
@@ -432,24 +429,22 @@ def test_gpu_graph_engine_matches_teacher_forcing(fmt, fp4) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("fmt,lora,splits,n_rows,max_rows,overlap,fuse", [
-    (None, False, 1, 8, 64, None, False), ("nvfp4", True, 1, 8, 64, None, False),
-    ("nvfp4", True, 4, 8, 64, None, False), ("nvfp4", True, 1, 1, 64, None, False),
-    ("nvfp4", True, 1, 8, 1, None, False),    # more rows than fused_lora_max_rows: cuBLAS, side
-    ("nvfp4", True, 1, 8, 64, True, False),  # the fused kernel forced onto the side stream
-    ("nvfp4", True, 4, 1, 64, None, True), (None, False, 1, 8, 64, None, True)])  # RoPE fused
+@pytest.mark.parametrize("fmt,lora,splits,n_rows,max_rows,overlap", [
+    (None, False, 1, 8, 64, None), ("nvfp4", True, 1, 8, 64, None), ("nvfp4", True, 4, 8, 64, None),
+    ("nvfp4", True, 1, 1, 64, None), ("nvfp4", True, 4, 1, 64, None),
+    ("nvfp4", True, 1, 8, 1, None),    # more rows than fused_lora_max_rows: cuBLAS, side stream
+    ("nvfp4", True, 1, 8, 64, True)])  # the fused kernel forced onto the side stream
 def test_gpu_graph_captured_at_real_model_width(fmt, lora, splits, n_rows, max_rows,
-                                                overlap, fuse) -> None:
+                                                overlap) -> None:
     """7B widths and the 152k vocabulary (two layers): the decode step is captured as a graph
     (the top-p sampling kernels, the fused LoRA or the cuBLAS pair, the LoRA side stream's fork
-    and join, split attention, RoPE inside it), and agrees with a full forward pass."""
+    and join, split attention), and agrees with a full forward pass."""
     from qerl.rollout.fast import sampling
 
     model = _model("qwen2", fmt=fmt, lora=lora, device="cuda", dtype=torch.bfloat16,
                    hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064, initializer_range=0.02)
-    eng = FastEngine(attention_splits=splits, fused_lora_max_rows=max_rows, lora_overlap=overlap,
-                     fuse_rope=fuse)
+    eng = FastEngine(attention_splits=splits, fused_lora_max_rows=max_rows, lora_overlap=overlap)
     prompts = PROMPTS if n_rows == 8 else PROMPTS[:1]  # 4 prompts x 2 rows, or one row
     sp = SamplingParams(n=n_rows // len(prompts), temperature=1.0, top_p=0.95, max_new_tokens=20,
                         eos_token_ids=(), pad_token_id=0)

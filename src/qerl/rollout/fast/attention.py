@@ -1,4 +1,4 @@
-"""Decode attention of the fast engine's ``triton`` backend: one kernel a layer, RoPE in it or not.
+"""Decode attention of the fast engine's ``triton`` backend: one kernel a layer, RoPE in it.
 
 Program ``(b, kh, s)`` takes row ``b``'s query heads of KV head ``kh`` over split ``s`` of the
 row's filled cache slots ``pad[b] .. slot`` (flash-decoding: an online softmax over blocks of
@@ -6,13 +6,12 @@ row's filled cache slots ``pad[b] .. slot`` (flash-decoding: an online softmax o
 unnormalised output, counts itself on the ``(b, kh)`` counter, and the last of the splits merges
 them (and resets the counter): no second kernel.
 
-* :func:`attention`: the query already rotated (:func:`qerl.rollout.fast.kernels.qkv_rope` wrote
-  it and the new K/V);
-* :func:`rope_attention`: the q/k/v GEMM's raw outputs instead (``FastEngine(fuse_rope=True)``,
-  the default):
-  each program finishes (epilogue: column scale, bias, LoRA) and rotates its own query heads in
-  registers, and the split that holds ``slot`` finishes, rotates and writes the new K/V there
-  first -- one launch a layer fewer, and the rotated queries never go through memory.
+:func:`rope_attention` takes the q/k/v GEMM's raw outputs: each program finishes them (the group
+epilogue: column scale, bias, LoRA) and rotates its own query heads in registers, and the split
+that holds ``slot`` finishes, rotates and writes the new K/V there first. Against a RoPE kernel
+before the attention (the engine's path until run 85 of docs/benchmarks.md): one launch a layer
+fewer and the rotated queries never in memory (H100, NVFP4 + LoRA, ms a step: 7B B=1 3.11 ->
+3.05, B=64 4.53 -> 4.45; 32B B=32 11.71 -> 11.58, run 86).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 from qerl.rollout.fast.kernels import Epilogue, _epi_args, _flags, np2
 from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton
 
-__all__ = ["attention", "attention_splits", "rope_attention"]
+__all__ = ["attention_splits", "rope_attention"]
 
 # cache slots a block of the online softmax; launched with 4 warps and 2 stages (7B, 256 slots,
 # H100, run 86 of docs/benchmarks.md: 15.9 us a layer at 64 rows against 17.6 with 3 stages, 16.0
@@ -67,12 +66,10 @@ if HAS_TRITON:
                      skb, skh, skl, invf_ptr, slot_ptr, pad_ptr, rope_scale, qk_scale, o_ptr, so,
                      pacc_ptr, pm_ptr, pl_ptr, cnt_ptr, HQ: tl.constexpr, HKV: tl.constexpr,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                     BL: tl.constexpr, S: tl.constexpr, ROPE: tl.constexpr,
-                     HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                     PDL: tl.constexpr):
-        """See the module docstring. ``ROPE``: ``q_ptr``/``k_ptr``/``v_ptr`` are the raw q/k/v
-        outputs (``q`` the group's epilogue member); else ``q_ptr`` is the rotated ``[M, HQ, D]``
-        query and the cache already holds ``slot``."""
+                     BL: tl.constexpr, S: tl.constexpr, HAS_CS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, PDL: tl.constexpr):
+        """See the module docstring: ``q_ptr`` / ``k_ptr`` / ``v_ptr`` are the raw q/k/v outputs
+        (``q`` the group's epilogue member)."""
         pdl_enter(PDL)
         b = tl.program_id(0)
         kh = tl.program_id(1)
@@ -93,29 +90,25 @@ if HAS_TRITON:
         hi = tl.minimum(lo + per, slot + 1)
         kbase = kc_ptr + b64 * skb + kh * skh
         vbase = vc_ptr + b64 * skb + kh * skh
-        if ROPE:
-            half: tl.constexpr = D // 2
-            j = offs_d % half
-            f = (slot - padb).to(tl.float32) * tl.load(invf_ptr + j, mask=dmask, other=0.0)
-            cos = tl.cos(f) * rope_scale
-            sin = tl.where(offs_d < half, -1.0, 1.0) * tl.sin(f) * rope_scale
-            lrow = lo_ptr + b64 * slo
-            if (slot >= lo) & (slot < hi):  # this split holds the new slot: finish and write it
-                col = kh * D + offs_d
-                kr = _rotated(k_ptr + b64 * sk, lrow, col, HQ * D + col, dmask, cos, sin, cs_ptr,
-                              b_ptr, half, HAS_CS, HAS_BIAS, HAS_LORA, dt)
-                vf = _epi_at(v_ptr + b64 * sv + col, dmask, cs_ptr + (HQ + HKV) * D + col,
-                             b_ptr + (HQ + HKV) * D + col, dmask, lrow + (HQ + HKV) * D + col,
-                             HAS_CS, HAS_BIAS, HAS_LORA, dt)
-                tl.store(kbase + slot.to(tl.int64) * skl + offs_d, kr, mask=dmask)
-                tl.store(vbase + slot.to(tl.int64) * skl + offs_d, vf.to(dt), mask=dmask)
-            tl.debug_barrier()  # the block loads below read it back (other threads' stores)
-            qcol = qh[:, None] * D + offs_d[None, :]
-            q = _rotated(q_ptr + b64 * sq, lrow, qcol, qcol, qmask, cos[None, :], sin[None, :],
-                         cs_ptr, b_ptr, half, HAS_CS, HAS_BIAS, HAS_LORA, dt)
-        else:
-            q = tl.load(q_ptr + b64 * sq + qh[:, None] * D + offs_d[None, :], mask=qmask,
-                        other=0.0)
+        half: tl.constexpr = D // 2
+        j = offs_d % half
+        f = (slot - padb).to(tl.float32) * tl.load(invf_ptr + j, mask=dmask, other=0.0)
+        cos = tl.cos(f) * rope_scale
+        sin = tl.where(offs_d < half, -1.0, 1.0) * tl.sin(f) * rope_scale
+        lrow = lo_ptr + b64 * slo
+        if (slot >= lo) & (slot < hi):  # this split holds the new slot: finish and write it
+            col = kh * D + offs_d
+            kr = _rotated(k_ptr + b64 * sk, lrow, col, HQ * D + col, dmask, cos, sin, cs_ptr,
+                          b_ptr, half, HAS_CS, HAS_BIAS, HAS_LORA, dt)
+            vf = _epi_at(v_ptr + b64 * sv + col, dmask, cs_ptr + (HQ + HKV) * D + col,
+                         b_ptr + (HQ + HKV) * D + col, dmask, lrow + (HQ + HKV) * D + col,
+                         HAS_CS, HAS_BIAS, HAS_LORA, dt)
+            tl.store(kbase + slot.to(tl.int64) * skl + offs_d, kr, mask=dmask)
+            tl.store(vbase + slot.to(tl.int64) * skl + offs_d, vf.to(dt), mask=dmask)
+        tl.debug_barrier()  # the block loads below read it back (other threads' stores)
+        qcol = qh[:, None] * D + offs_d[None, :]
+        q = _rotated(q_ptr + b64 * sq, lrow, qcol, qcol, qmask, cos[None, :], sin[None, :],
+                     cs_ptr, b_ptr, half, HAS_CS, HAS_BIAS, HAS_LORA, dt)
         m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((GP,), dtype=tl.float32)
         acc = tl.zeros((GP, DP), dtype=tl.float32)
@@ -165,63 +158,40 @@ if HAS_TRITON:
                 tl.atomic_xchg(cnt, 0)  # ready for the next launch
 
 
-def _launch(q_args: tuple, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-            pad: torch.Tensor, scaling: float, m: int, hq: int, d: int, splits: int,
-            counters: torch.Tensor | None, dtype: torch.dtype, rope: dict, epi: dict,
-            pdl: bool, tune: dict | None) -> torch.Tensor:
-    hkv = kc.shape[1]
-    g = hq // hkv
-    out = torch.empty((m, hq * d), dtype=dtype, device=kc.device)
-    if splits > 1:
-        pacc = torch.empty((m, hq, splits, d), dtype=torch.float32, device=kc.device)
-        pm = torch.empty((m, hq, splits), dtype=torch.float32, device=kc.device)
-        pl = torch.empty_like(pm)
-        if counters is None:
-            counters = torch.zeros(m * hkv, dtype=torch.int32, device=kc.device)
-        elif counters.numel() < m * hkv or counters.dtype != torch.int32:
-            raise ValueError(f"attention: counters must be int32 zeros of at least rows x KV "
-                             f"heads = {m * hkv} elements, got {counters.dtype} "
-                             f"[{counters.numel()}]")
-    else:
-        pacc = pm = pl = counters = out  # not read
-    _attn_kernel[(m, hkv, splits)](
-        *q_args, kc, vc, kc.stride(0), kc.stride(1), kc.stride(2), rope["invf"], slot, pad,
-        rope["scale"], scaling * 1.4426950408889634, out, out.stride(0), pacc, pm, pl, counters,
-        HQ=hq, HKV=hkv, G=g, GP=max(16, np2(g)), D=d, DP=max(16, np2(d)), S=splits,
-        ROPE=rope["on"], **{"BL": BL, "num_warps": 4, "num_stages": 2, **(tune or {})}, **epi,
-        **launch_kw(pdl))
-    return out
-
-
-def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-              pad: torch.Tensor, scaling: float, splits: int = 1,
-              counters: torch.Tensor | None = None, pdl: bool = False,
-              tune: dict | None = None) -> torch.Tensor:
-    """Decode attention of the rotated ``q [M, Hq, D]`` over cache slots ``pad[b] .. slot``:
-    ``[M, Hq*D]``. ``splits > 1``: the slots split over that many programs a (row, KV head),
-    merged by the last (``counters``: int32 zeros, ``[M * KV heads]``, left zeros; a fresh
-    set when ``None``). ``tune``: launch options for benchmarks (``BL``: slots a block, 64;
-    ``num_warps``: 4; ``num_stages``: 2)."""
-    m, hq, d = q.shape
-    q_args = (q, hq * d, q, q, 0, 0, q, q, q, 0)  # q, sq, k, v, sk, sv, cs, bias, lora, slo
-    return _launch(q_args, kc, vc, slot, pad, scaling, m, hq, d, splits, counters, q.dtype,
-                   {"invf": q, "scale": 1.0, "on": False}, _flags(None), pdl, tune)
-
-
 def rope_attention(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
                    vc: torch.Tensor, inv_freq: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor,
                    rope_scale: float, n_heads: int, head_dim: int, scaling: float,
                    splits: int = 1, counters: torch.Tensor | None = None,
                    pdl: bool = False, tune: dict | None = None) -> torch.Tensor:
-    """:func:`qerl.rollout.fast.kernels.qkv_rope` and :func:`attention` in one launch: ``q``
-    describes the q/k/v group's epilogue (its raw output the q member's), ``k``/``v`` are the
-    other members' raw outputs; writes the rotated K and V at cache slot ``slot`` and returns
-    the attention output ``[M, Hq*D]``."""
-    m = k.shape[0]
+    """One decode step's attention of a layer: ``q`` describes the q/k/v group's epilogue (its raw
+    output the q member's), ``k`` / ``v`` are the other members' raw outputs; writes the rotated K
+    and V at cache slot ``slot`` of ``kc`` / ``vc [M, KV heads, slots, D]`` and returns the
+    attention of each row over its slots ``pad[b] .. slot``, ``[M, Hq*D]``. ``splits > 1``: the
+    slots split over that many programs a (row, KV head), merged by the last (``counters``: int32
+    zeros, ``[M * KV heads]``, left zeros; a fresh set when ``None``). ``tune``: launch options
+    for benchmarks (``BL``: slots a block, 64; ``num_warps``: 4; ``num_stages``: 2)."""
+    m, hkv, d = k.shape[0], kc.shape[1], head_dim
     if head_dim % 2:
         raise ValueError(f"rope_attention: head_dim must be even, got {head_dim}")
+    out = torch.empty((m, n_heads * d), dtype=k.dtype, device=kc.device)
+    if splits > 1:
+        pacc = torch.empty((m, n_heads, splits, d), dtype=torch.float32, device=kc.device)
+        pm = torch.empty((m, n_heads, splits), dtype=torch.float32, device=kc.device)
+        pl = torch.empty_like(pm)
+        if counters is None:
+            counters = torch.zeros(m * hkv, dtype=torch.int32, device=kc.device)
+        elif counters.numel() < m * hkv or counters.dtype != torch.int32:
+            raise ValueError(f"rope_attention: counters must be int32 zeros of at least rows x KV "
+                             f"heads = {m * hkv} elements, got {counters.dtype} "
+                             f"[{counters.numel()}]")
+    else:
+        pacc = pm = pl = counters = out  # not read
+    g = n_heads // hkv
     raw = q.raw
-    q_args = (raw, raw.stride(0), k, v, k.stride(0), v.stride(0), *_epi_args(q, k))
-    return _launch(q_args, kc, vc, slot, pad, scaling, m, n_heads, head_dim, splits, counters,
-                   k.dtype, {"invf": inv_freq, "scale": rope_scale, "on": True}, _flags(q), pdl,
-                   tune)
+    _attn_kernel[(m, hkv, splits)](
+        raw, raw.stride(0), k, v, k.stride(0), v.stride(0), *_epi_args(q, k), kc, vc, kc.stride(0),
+        kc.stride(1), kc.stride(2), inv_freq, slot, pad, rope_scale, scaling * 1.4426950408889634,
+        out, out.stride(0), pacc, pm, pl, counters, HQ=n_heads, HKV=hkv, G=g, GP=max(16, np2(g)),
+        D=d, DP=max(16, np2(d)), S=splits, **_flags(q), **launch_kw(pdl),
+        **{"BL": BL, "num_warps": 4, "num_stages": 2, **(tune or {})})
+    return out

@@ -1,9 +1,9 @@
 """One decode step of the ``triton`` backend on static buffers (what the CUDA graph captures).
 
-Per layer: add-RMSNorm (with the previous down output's epilogue) -> q/k/v GEMM -> RoPE + cache
-write (q/k/v epilogue) -> attention (``st.fuse_rope``: both in one launch) -> o GEMM ->
-add-RMSNorm (o epilogue) -> gate/up GEMM -> SiLU-mul (gate/up epilogue) -> down GEMM. Then the
-final norm, the LM head (torch group path) and sampling.
+Per layer: add-RMSNorm (with the previous down output's epilogue) -> q/k/v GEMM -> attention
+(with the q/k/v epilogue, RoPE and the cache write in its launch) -> o GEMM -> add-RMSNorm (o
+epilogue) -> gate/up GEMM -> SiLU-mul (gate/up epilogue) -> down GEMM. Then the final norm, the LM
+head (torch group path) and sampling.
 
 LoRA: per group with adapters, ``lo = (x a_cat^T) b_full^T`` into a static buffer: one launch of
 the fused kernel (:mod:`qerl.rollout.fast.lora`, up to its rows, on the main stream by default) or
@@ -121,15 +121,9 @@ def step(plan: Plan, st: State, ctx: TorchContext) -> None:
     for li, lay in enumerate(plan.layers):
         x = K.add_rmsnorm(h, lay.ln1, lay.eps1, prev, pdl=pdl)
         q, k, v = _finished(st, ctx, "qkv", lay.qkv, x, rows)
-        if st.fuse_rope:
-            ao = A.rope_attention(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot,
-                                  st.pad, plan.rope_scale, plan.n_heads, plan.head_dim,
-                                  lay.scaling, st.attn_splits, st.attn_cnt, pdl=pdl)
-        else:
-            qr = K.qkv_rope(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot, st.pad,
-                            plan.rope_scale, plan.n_heads, plan.n_kv, plan.head_dim, pdl=pdl)
-            ao = A.attention(qr, st.k[li], st.v[li], st.slot, st.pad, lay.scaling,
-                             st.attn_splits, st.attn_cnt, pdl=pdl)
+        ao = A.rope_attention(q, k.raw, v.raw, st.k[li], st.v[li], plan.inv_freq, st.slot,
+                              st.pad, plan.rope_scale, plan.n_heads, plan.head_dim, lay.scaling,
+                              st.attn_splits, st.attn_cnt, pdl=pdl)
         (o,) = _finished(st, ctx, "o", lay.o, ao, rows)
         x = K.add_rmsnorm(h, lay.ln2, lay.eps2, o, pdl=pdl)
         g, u = _finished(st, ctx, "gu", lay.gu, x, rows)

@@ -2,9 +2,9 @@
 
 Backends: ``triton`` (CUDA, bf16/fp16 models): prefill in eager torch (FP4 weights through the
 selected 4-bit backend, :mod:`qerl.kernels`), then every decode step is one CUDA graph replay of
-Triton kernels (RMSNorm fused with the residual add and the o / down epilogues, RoPE + cache
-write fused with the q/k/v epilogue, flash-decoding attention, SiLU-mul fused with the gate/up
-epilogue), the group GEMMs (humming: q/k/v and gate/up each one GEMM), cuBLAS for dense weights
+Triton kernels (RMSNorm fused with the residual add and the o / down epilogues, flash-decoding
+attention with the q/k/v epilogue, RoPE and the cache write in its launch, SiLU-mul fused with the
+gate/up epilogue), the group GEMMs (humming: q/k/v and gate/up each one GEMM), cuBLAS for dense weights
 and the LM head, and sampling. ``torch`` (any device, no graphs): the same computation in plain
 torch; the CPU tests run it against transformers.
 
@@ -73,9 +73,6 @@ class FastEngine:
         attention_splits: splits of each row's KV slots in the decode attention (flash-decoding;
             the ``triton`` backend); ``None`` picks them from the rows, KV heads, capacity and
             multiprocessors (:func:`qerl.rollout.fast.attention.attention_splits`).
-        fuse_rope: RoPE and the K/V cache write inside the decode attention's launch (the
-            ``triton`` backend; :func:`qerl.rollout.fast.attention.rope_attention`; H100, run 85:
-            7B NVFP4 + LoRA B=1 3.11 -> 3.05 ms a step, B=64 4.53 -> 4.45).
         keep_state: keep the KV cache, sampling buffers and captured graph between calls (a
             benchmark's); by default they go when ``generate`` returns, back to the trainer's
             update (the plan and the prepared 4-bit GEMM tensors are kept either way).
@@ -108,7 +105,7 @@ class FastEngine:
                  attention_splits: int | None = None, lora_kernel: str = "fused",
                  fused_lora_max_rows: int = FUSED_MAX_M, humming_layout: str = "bf16_scales",
                  pdl: bool | None = None, lora_sms: int = 8, lora_end_wait: str = "one",
-                 gemv_max_m: int = 1, gemv_long_k: bool = False, fuse_rope: bool = True) -> None:
+                 gemv_max_m: int = 1, gemv_long_k: bool = False) -> None:
         choice("backend", backend, ("auto", "triton", "torch"))
         choice("lora_kernel", lora_kernel, ("fused", "gemv", "cublas"))
         choice("humming_layout", humming_layout, LAYOUTS)
@@ -118,7 +115,6 @@ class FastEngine:
         int_in("lora_sms", lora_sms, 64, lo=0)
         int_in("gemv_max_m", gemv_max_m, 8, lo=0)
         bool_or_none("gemv_long_k", gemv_long_k, "False")
-        bool_or_none("fuse_rope", fuse_rope, "True")
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
         state.check_budget(kv_budget_gib, kv_budget_fraction)
         self.backend, self.use_cuda_graph = backend, use_cuda_graph
@@ -129,7 +125,6 @@ class FastEngine:
             attention_splits, lora_kernel, fused_lora_max_rows, humming_layout)
         self.pdl, self.lora_sms, self.lora_end_wait = pdl, lora_sms, lora_end_wait
         self.gemv_max_m, self.gemv_long_k = gemv_max_m, bool(gemv_long_k)
-        self.fuse_rope = fuse_rope is not False
         self._parking = HostParking()
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self._plan: Plan | None = None
@@ -332,7 +327,7 @@ class FastEngine:
                    backend: str, pdl: bool) -> State:
         st = self._state
         key = (plan.signature, backend, self._gemm_backend, self.attention_splits, self.lora_kernel,
-               pdl, self.lora_sms, self.lora_end_wait, self.fuse_rope)
+               pdl, self.lora_sms, self.lora_end_wait)
         if st is not None and st.n_rows == rows and st.cap >= cap and st.t_cap == T \
                 and st.mode == mode and st.key == key:
             return st
@@ -349,7 +344,6 @@ class FastEngine:
         st.pdl = pdl
         st.gemm_sms = beside_gemm_sms(st, self.lora_sms, plan.device)  # reads st.pdl
         st.lora_end_wait, st.lora_in_gemv = self.lora_end_wait, self.lora_kernel == "gemv"
-        st.fuse_rope = self.fuse_rope and backend == "triton"
         self._state = st
         return st
 

@@ -6,8 +6,8 @@ output ``lo = (x a_cat^T) b_full^T`` (the fused LoRA kernel's or two cuBLAS GEMM
 one more load per element) -- while doing their own work:
 
 * :func:`add_rmsnorm`: ``h += epilogue(raw)`` then ``x = rmsnorm(h) * w`` (o and down outputs);
-* :func:`qkv_rope`: epilogue of q/k/v, RoPE, K/V written into the static cache;
-* the decode attention, RoPE fused into it or not: :mod:`qerl.rollout.fast.attention`;
+* the decode attention (epilogue of q/k/v, RoPE, K/V written into the static cache):
+  :mod:`qerl.rollout.fast.attention`;
 * :func:`silu_mul`: epilogue of gate/up, then ``silu(g) * u``.
 
 The sampling kernel is in :mod:`qerl.rollout.fast.sampling`, beside its torch reference.
@@ -28,7 +28,7 @@ import torch
 
 from qerl.rollout.fast.pdl import HAS_TRITON, launch_kw, tl, triton  # the one Triton import
 
-__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "qkv_rope", "silu_mul"]
+__all__ = ["HAS_TRITON", "Epilogue", "add_rmsnorm", "silu_mul"]
 
 
 def np2(x: int) -> int:
@@ -49,9 +49,9 @@ class Epilogue:
     lora: torch.Tensor | None = None
 
 
-# Rows a program of the RoPE and SiLU-mul kernels takes, at any row count: with 64 rows a program
-# the 7B B=64 RoPE ran 32 programs on 132 SMs; with 16, RoPE + cache write went 453-576 -> 102-134 us
-# a step (docs/benchmarks.md, run 16).
+# Rows a program of the SiLU-mul kernel takes, at any row count: with 64 rows a program the 7B B=64
+# RoPE kernel of the time ran 32 programs on 132 SMs; with 16, 453-576 -> 102-134 us a step
+# (docs/benchmarks.md, run 16).
 BLOCK_M = 16
 
 
@@ -140,55 +140,6 @@ if HAS_TRITON:
                 tl.store(out_ptr + base + offs, y.to(out_ptr.dtype.element_ty), mask=cm)
 
     @triton.jit
-    def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, sq, sk, sv, cs_ptr, b_ptr, lo_ptr, slo,
-                         qo_ptr, kc_ptr, vc_ptr, skb, skh, skl, invf_ptr, slot_ptr, pad_ptr,
-                         rope_scale, M, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                         HALF: tl.constexpr, HALFP: tl.constexpr, HAS_CS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BM: tl.constexpr,
-                         PDL: tl.constexpr):
-        pdl_enter(PDL)
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        h = tl.program_id(1)
-        rmask = rows < M
-        dt = qo_ptr.dtype.element_ty
-        i = tl.arange(0, HALFP)
-        im = i < HALF
-        slot = tl.load(slot_ptr)
-        pos = (slot - tl.load(pad_ptr + rows, mask=rmask, other=0)).to(tl.float32)
-        f = pos[:, None] * tl.load(invf_ptr + i, mask=im, other=0.0).to(tl.float32)[None, :]
-        c = tl.cos(f) * rope_scale
-        s = tl.sin(f) * rope_scale
-        m2 = rmask[:, None] & im[None, :]
-        r64 = rows[:, None].to(tl.int64)
-        if h < HQ:
-            col = h * D + i
-            x1 = _epilogue(q_ptr, sq, rows, rmask, col, col, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
-            x2 = _epilogue(q_ptr, sq, rows, rmask, col + HALF, col + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
-            dst = qo_ptr + (r64 * HQ + h) * D + i[None, :]
-            tl.store(dst, (x1 * c - x2 * s).to(dt), mask=m2)
-            tl.store(dst + HALF, (x2 * c + x1 * s).to(dt), mask=m2)
-        else:
-            kh = h - HQ
-            col = kh * D + i
-            gk = HQ * D + col
-            k1 = _epilogue(k_ptr, sk, rows, rmask, col, gk, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
-            k2 = _epilogue(k_ptr, sk, rows, rmask, col + HALF, gk + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
-            gv = gk + HKV * D
-            v1 = _epilogue(v_ptr, sv, rows, rmask, col, gv, im, cs_ptr, b_ptr, lo_ptr, slo,
-                           HAS_CS, HAS_BIAS, HAS_LORA, dt)
-            v2 = _epilogue(v_ptr, sv, rows, rmask, col + HALF, gv + HALF, im, cs_ptr, b_ptr,
-                           lo_ptr, slo, HAS_CS, HAS_BIAS, HAS_LORA, dt)
-            koff = r64 * skb + kh * skh + slot.to(tl.int64) * skl + i[None, :]
-            tl.store(kc_ptr + koff, (k1 * c - k2 * s).to(dt), mask=m2)
-            tl.store(kc_ptr + koff + HALF, (k2 * c + k1 * s).to(dt), mask=m2)
-            tl.store(vc_ptr + koff, v1.to(dt), mask=m2)
-            tl.store(vc_ptr + koff + HALF, v2.to(dt), mask=m2)
-
-    @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, sg, su, cs_ptr, b_ptr, lo_ptr, slo, act_ptr, M, NI,
                          HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
@@ -241,24 +192,6 @@ def add_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float, add: Epilogue | No
         eps, HAS_ADD=add is not None, CH=np2(hid) if one else 1024, ONE=one,
         num_warps=8 if hid >= 2048 else 4, **_flags(add), **launch_kw(pdl))
     return out
-
-
-def qkv_rope(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-             inv_freq: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor, rope_scale: float,
-             n_heads: int, n_kv: int, head_dim: int, pdl: bool = False) -> torch.Tensor:
-    """Finish q/k/v (epilogue ``q`` describes the group; ``k``/``v`` are the other members'
-    raw outputs), rotate q and k, write k/v at cache slot ``slot``; returns q ``[M, Hq, D]``."""
-    m = k.shape[0]
-    qo = torch.empty((m, n_heads, head_dim), dtype=k.dtype, device=k.device)
-    bm = BLOCK_M
-    half = head_dim // 2
-    raw = q.raw
-    _qkv_rope_kernel[(triton.cdiv(m, bm), n_heads + n_kv)](
-        raw, k, v, raw.stride(0), k.stride(0), v.stride(0), *_epi_args(q, k), qo, kc, vc,
-        kc.stride(0), kc.stride(1), kc.stride(2), inv_freq, slot, pad, rope_scale, m,
-        HQ=n_heads, HKV=n_kv, D=head_dim, HALF=half, HALFP=max(16, np2(half)), BM=bm,
-        num_warps=4, **_flags(q), **launch_kw(pdl))
-    return qo
 
 
 def silu_mul(g: Epilogue, u: torch.Tensor, pdl: bool = False) -> torch.Tensor:

@@ -47,7 +47,6 @@ class State:
     lora_fused: dict | None = None
     attn_splits: int = 1  # splits of each row's KV slots in the decode attention
     attn_cnt: torch.Tensor | None = None  # its int32 counters [rows * KV heads] (zeros between)
-    fuse_rope: bool = False  # RoPE and the K/V write inside the attention launch
     pdl: bool = False  # decode kernels with programmatic dependent launch (pdl.pdl_supported)
     gemm_sms: int | None = None  # humming's multiprocessors when the fused LoRA runs beside it
     lora_end_wait: str = "one"  # beside the GEMM: which LoRA programs wait at their end
