@@ -24,31 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from sampling import graph_us  # noqa: E402  (benchmarks/sampling.py, beside this script)
+
 from qerl.rollout.fast import attention as A  # noqa: E402
 from qerl.rollout.fast import kernels as K  # noqa: E402
 
 HEADS = {"7b": (28, 4, 128), "32b": (40, 8, 128), "72b": (64, 8, 128)}
 LAYERS = 8
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """Microseconds per replay of ``fn`` captured as a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def copy_bw() -> float:
@@ -93,7 +75,7 @@ def cells(model: str, rows: int, ctx: int, splits: list[int], tunes: list[str],
                                  kc[i], vc[i], inv, slot, pad, 1.0, hq, d, 0.09, S, cnt, pdl=True,
                                  tune=parse_tune(tune) if tune else None)
 
-        us = graph_us(layers) / LAYERS
+        us = graph_us(layers, 20) / LAYERS
         out.append({"model": model, "rows": rows, "ctx": ctx, "splits": S,
                     "method": "rope_attention" + (f"_{tune}" if tune else ""), "us": us,
                     "kv_bytes": kv_bytes, "gbps": kv_bytes / us * 1e-3,
