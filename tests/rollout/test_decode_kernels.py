@@ -73,10 +73,11 @@ def test_add_rmsnorm_with_epilogue(dt, cs, bias, lora, one_pass_max) -> None:
         < TOL[dt]
 
 
-def _qkv_group(m: int, hq: int, hkv: int, d: int, dt, lora: bool):
-    """A q/k/v group's epilogue (column scale, bias, LoRA; its raw output q's), the float32
-    reference of the whole finished output, and k's and v's raw outputs."""
-    epi, ref, _ = _group(m, (hq + 2 * hkv) * d, 24, dt, True, True, lora)
+def _qkv_group(m: int, hq: int, hkv: int, d: int, dt, lora: bool, seed: int = 0,
+               vecs: bool = True):
+    """A q/k/v group's epilogue (column scale and bias with ``vecs``, LoRA; its raw output q's),
+    the float32 reference of the whole finished output, and k's and v's raw outputs."""
+    epi, ref, _ = _group(m, (hq + 2 * hkv) * d, 24 + seed, dt, vecs, vecs, lora)
     raw = epi.raw
     epi.raw = raw[:, :hq * d]
     return epi, ref, raw[:, hq * d:(hq + hkv) * d], raw[:, (hq + hkv) * d:]
@@ -100,20 +101,22 @@ def _attention_ref(q, kc, vc, pad, slot, scale):
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("m,hq,hkv,d,splits,slot,pads,lora", [
-    (3, 4, 2, 32, 1, 150, None, True), (2, 6, 2, 16, 3, 150, None, False),
-    (4, 8, 2, 64, 5, 150, None, True), (1, 28, 4, 128, 6, 150, None, True),
-    (20, 4, 4, 16, 1, 9, None, False),
+@pytest.mark.parametrize("m,hq,hkv,d,splits,slot,pads,lora,vecs", [
+    (3, 4, 2, 32, 1, 150, None, True, True), (2, 6, 2, 16, 3, 150, None, False, True),
+    (4, 8, 2, 64, 5, 150, None, True, True), (1, 28, 4, 128, 6, 150, None, True, True),
+    (20, 4, 4, 16, 1, 9, None, False, False),  # no column scale, no bias
+    (3, 6, 2, 48, 2, 100, None, True, False),  # head_dim not a power of two (padded to 64)
     # 7 splits of 71 slots: the rows with short contexts have empty splits
-    (5, 8, 2, 32, 7, 70, [0, 3, 64, 10, 69], True), (5, 8, 2, 32, 4, 200, [0, 3, 64, 10, 69], False)])
-def test_rope_attention_against_torch(dt, m, hq, hkv, d, splits, slot, pads, lora) -> None:
+    (5, 8, 2, 32, 7, 70, [0, 3, 64, 10, 69], True, True),
+    (5, 8, 2, 32, 4, 200, [0, 3, 64, 10, 69], False, True)])
+def test_rope_attention_against_torch(dt, m, hq, hkv, d, splits, slot, pads, lora, vecs) -> None:
     """The q/k/v epilogue, RoPE and the cache write inside the attention's launch: the rotated new
-    K and V at ``slot`` (nothing after it written), each row attending exactly its slots
-    ``pad .. slot``, split or not; the last split of each (row, KV head) merges them and leaves
-    its counter at zero, so the same counters serve the next call."""
-    epi, ref, kv, vv = _qkv_group(m, hq, hkv, d, dt, lora)
-    cap = slot + 50
+    K and V at ``slot`` (nothing else of the cache written), each row and head attending exactly
+    its slots ``pad .. slot``, split or not; the last split of each (row, KV head) merges them and
+    leaves its counter at zero, so the same counters serve the next call (other inputs, a later
+    slot)."""
     g = torch.Generator(device=DEV).manual_seed(m + d)
+    cap = slot + 50
     kc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
     vc = torch.randn(m, hkv, cap, d, device=DEV, generator=g).to(dt)
     kc[:, :, slot:] = float("nan")  # slot: written by the kernel; beyond: never read
@@ -121,27 +124,42 @@ def test_rope_attention_against_torch(dt, m, hq, hkv, d, splits, slot, pads, lor
     pad = (torch.tensor(pads, dtype=torch.int32) if pads else
            torch.randint(0, slot // 2 + 1, (m,), dtype=torch.int32)).to(DEV)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
-    f = (slot - pad).float()[:, None] * inv[None, :]
-    cos, sin = torch.cat([f, f], -1).cos()[:, None] * 0.9, torch.cat([f, f], -1).sin()[:, None] * 0.9
-    full = ref.to(dt).float()
-    q = full[:, :hq * d].view(m, hq, d)
-    k = full[:, hq * d:(hq + hkv) * d].view(m, hkv, d)
-    v = full[:, (hq + hkv) * d:].view(m, hkv, d)
-    q_rot, k_rot = (q * cos + _rot(q) * sin).to(dt), (k * cos + _rot(k) * sin).to(dt)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    kc_ref[:, :, slot], vc_ref[:, :, slot] = k_rot, v.to(dt)
-    want = _attention_ref(q_rot, kc_ref, vc_ref, pad, slot, 0.3)
-    sl = torch.tensor([slot], device=DEV, dtype=torch.int32)
     cnt = torch.zeros(m * hkv, dtype=torch.int32, device=DEV)
-    for _ in range(2):
+    for step in range(2):  # the second call: other q/k/v, the next slot, the same counters
+        at = slot + step
+        epi, ref, kv, vv = _qkv_group(m, hq, hkv, d, dt, lora, seed=step, vecs=vecs)
+        f = (at - pad).float()[:, None] * inv[None, :]
+        cos = torch.cat([f, f], -1).cos()[:, None] * 0.9
+        sin = torch.cat([f, f], -1).sin()[:, None] * 0.9
+        full = ref.to(dt).float()
+        q = full[:, :hq * d].view(m, hq, d)
+        k = full[:, hq * d:(hq + hkv) * d].view(m, hkv, d)
+        v = full[:, (hq + hkv) * d:].view(m, hkv, d)
+        q_rot, k_rot = (q * cos + _rot(q) * sin).to(dt), (k * cos + _rot(k) * sin).to(dt)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        kc_ref[:, :, at], vc_ref[:, :, at] = k_rot, v.to(dt)
+        want = _attention_ref(q_rot, kc_ref, vc_ref, pad, at, 0.3).view(m, hq, d)
+        sl = torch.tensor([at], device=DEV, dtype=torch.int32)
         out = A.rope_attention(epi, kv, vv, kc, vc, inv, sl, pad, 0.9, hq, d, 0.3, splits, cnt)
-        assert _rel(kc[:, :, slot], k_rot) < TOL[dt] / 4 and _rel(vc[:, :, slot], v) < TOL[dt] / 4
-        assert torch.isnan(kc[:, :, slot + 1:]).all() and torch.isnan(vc[:, :, slot + 1:]).all()
-        assert _rel(out, want) < TOL[dt]
+        keep = torch.ones(cap, dtype=torch.bool, device=DEV)
+        keep[at] = False
+        torch.testing.assert_close(kc[:, :, keep], kc_ref[:, :, keep], equal_nan=True, rtol=0,
+                                   atol=0)  # nothing but the slot written
+        torch.testing.assert_close(vc[:, :, keep], vc_ref[:, :, keep], equal_nan=True, rtol=0,
+                                   atol=0)
+        for b in range(m):  # every row and KV head's new K/V, every row and head's output
+            for h in range(hkv):
+                assert _rel(kc[b, h, at], k_rot[b, h]) < TOL[dt] / 4
+                assert _rel(vc[b, h, at], v[b, h]) < TOL[dt] / 4
+            for h in range(hq):
+                assert _rel(out.view(m, hq, d)[b, h], want[b, h]) < TOL[dt], (b, h)
         assert not cnt.any()
     with pytest.raises(ValueError, match="counters must be int32 zeros of at least"):
         A.rope_attention(epi, kv, vv, kc, vc, inv, sl, pad, 0.9, hq, d, 0.3, 2,
                          torch.zeros(3, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="rows"):
+        A.rope_attention(epi, kv, vv, torch.cat([kc, kc[:1]]), vc, inv, sl, pad, 0.9, hq, d, 0.3,
+                         1, cnt)
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -407,7 +425,8 @@ print("compiled")
 def test_decode_kernels_wait_for_their_predecessor_first_with_pdl() -> None:
     """PTX for sm_90 (no GPU needed): with ``PDL`` a decode kernel's first instruction of note is
     ``griddepcontrol.wait`` (before any global load), then ``launch_dependents``; without it,
-    neither."""
+    neither. The attention's merge of its splits: the partials stored, a CTA barrier, the
+    acquire-release count, a barrier, then the partials read back at L2 (``ld.global.cg``)."""
     import subprocess
     import sys
 
@@ -451,6 +470,12 @@ for fn, (types, const) in cases.items():
             assert 0 <= wait < launch < first_load, (fn.__name__, wait, launch, first_load)
         else:
             assert "griddepcontrol" not in ptx, fn.__name__
+        if fn is A._attn_kernel and pdl:  # the merge of the splits: stores, barrier, count, barrier, loads
+            atom = re.search("atom[.]global[.][^ ]*acq_rel[.]add", ptx).start()
+            last_st = max(m.start() for m in re.finditer("st[.]global", ptx[:atom]))
+            assert "bar.sync" in ptx[last_st:atom], "no barrier between the partials and the count"
+            cg = ptx.find("ld.global.cg", atom)
+            assert cg > atom and "bar.sync" in ptx[atom:cg] and "ld.global.cg" not in ptx[:atom]
 print("compiled")
 """
     pytest.importorskip("triton")

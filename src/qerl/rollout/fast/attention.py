@@ -173,6 +173,9 @@ def rope_attention(q: Epilogue, k: torch.Tensor, v: torch.Tensor, kc: torch.Tens
     m, hkv, d = k.shape[0], kc.shape[1], head_dim
     if head_dim % 2:
         raise ValueError(f"rope_attention: head_dim must be even, got {head_dim}")
+    if kc.shape[0] != m or vc.shape[0] != m or pad.numel() < m:
+        raise ValueError(f"rope_attention: {m} rows of q/k/v, but caches of {kc.shape[0]} / "
+                         f"{vc.shape[0]} rows and {pad.numel()} pads")
     out = torch.empty((m, n_heads * d), dtype=k.dtype, device=kc.device)
     if splits > 1:
         pacc = torch.empty((m, n_heads, splits, d), dtype=torch.float32, device=kc.device)

@@ -63,7 +63,8 @@ class State:
 
     def nbytes(self) -> int:
         ts = self.k + self.v + list(self.lora_xa.values()) + list(self.lora_out.values()) \
-            + [acc for _, acc, _ in (self.lora_fused or {}).values()]
+            + [acc for _, acc, _ in (self.lora_fused or {}).values()] \
+            + ([self.attn_cnt] if self.attn_cnt is not None else [])
         return sum(t.numel() * t.element_size() for t in ts)
 
 
