@@ -36,7 +36,14 @@ from qerl.rollout.fast import decode, state
 from qerl.rollout.fast.gemm import GroupGemm, precompile_groups
 from qerl.rollout.fast.kernels import HAS_TRITON
 from qerl.rollout.fast.lora import FUSED_MAX_M, MAX_ROWS, fused_lora_ok
-from qerl.rollout.fast.options import beside_gemm_sms, bool_or_none, choice, int_in, resolve_pdl
+from qerl.rollout.fast.options import (
+    beside_gemm_sms,
+    bool_or_none,
+    check_budget,
+    choice,
+    int_in,
+    resolve_pdl,
+)
 from qerl.rollout.fast.plan import Plan, build_plan, refresh_lora
 from qerl.rollout.fast.residency import HostParking, park_group
 from qerl.rollout.fast.sampling import sample_tokens
@@ -116,7 +123,7 @@ class FastEngine:
         int_in("gemv_max_m", gemv_max_m, 8, lo=0)
         bool_or_none("gemv_long_k", gemv_long_k, "False")
         choice("lora_end_wait", lora_end_wait, ("one", "all"))
-        state.check_budget(kv_budget_gib, kv_budget_fraction)
+        check_budget(kv_budget_gib, kv_budget_fraction)
         self.backend, self.use_cuda_graph = backend, use_cuda_graph
         self.check_every, self.cache_multiple = max(1, int(check_every)), max(1, int(cache_multiple))
         self.kv_budget_gib, self.kv_budget_fraction = kv_budget_gib, kv_budget_fraction

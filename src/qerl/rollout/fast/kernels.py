@@ -88,16 +88,10 @@ if HAS_TRITON:
         """Features ``offs`` of row ``row`` of ``h``, with the epilogue added (and stored back)."""
         h = tl.load(h_ptr + base + offs, mask=cm, other=0.0)
         if HAS_ADD:
-            d = tl.load(d_ptr + row.to(tl.int64) * sd + offs, mask=cm, other=0.0)
-            d = d.to(tl.float32)
-            if HAS_CS:
-                d = d * tl.load(cs_ptr + off + offs, mask=cm, other=0.0)
-            if HAS_BIAS:
-                d = d + tl.load(b_ptr + off + offs, mask=cm, other=0.0).to(tl.float32)
-            if HAS_LORA:
-                d = d + tl.load(lo_ptr + row.to(tl.int64) * slo + off + offs, mask=cm,
-                                other=0.0).to(tl.float32)
-            h = (h.to(tl.float32) + d.to(dt).to(tl.float32)).to(dt)
+            r64 = row.to(tl.int64)
+            d = _epi_at(d_ptr + r64 * sd + offs, cm, cs_ptr + off + offs, b_ptr + off + offs, cm,
+                        lo_ptr + r64 * slo + off + offs, HAS_CS, HAS_BIAS, HAS_LORA, dt)
+            h = (h.to(tl.float32) + d).to(dt)
             tl.store(h_ptr + base + offs, h, mask=cm)
         return h
 

@@ -7,7 +7,7 @@ import torch
 
 from qerl.rollout.fast.pdl import pdl_supported
 
-__all__ = ["beside_gemm_sms", "bool_or_none", "choice", "int_in", "resolve_pdl"]
+__all__ = ["beside_gemm_sms", "bool_or_none", "check_budget", "choice", "int_in", "resolve_pdl"]
 
 
 def choice(name: str, value, allowed: tuple[str, ...]) -> None:
@@ -23,6 +23,14 @@ def int_in(name: str, value, hi: int, lo: int = 1) -> None:
 def bool_or_none(name: str, value, none_means: str = "automatic") -> None:
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"{name} must be True, False or None ({none_means}), got {value!r}")
+
+
+def check_budget(kv_budget_gib: float | None, kv_budget_fraction: float) -> None:
+    """The memory budget of a wave (:func:`qerl.rollout.fast.state.wave_rows`)."""
+    if kv_budget_gib is not None and not kv_budget_gib > 0:
+        raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
+    if not 0 < kv_budget_fraction <= 1:
+        raise ValueError(f"kv_budget_fraction must be in (0, 1], got {kv_budget_fraction}")
 
 
 def resolve_pdl(requested: bool | None, device: torch.device) -> bool:

@@ -11,8 +11,8 @@ from qerl.rollout.base import SamplingParams
 from qerl.rollout.fast.attention import attention_splits
 from qerl.rollout.fast.plan import Plan
 
-__all__ = ["State", "check_budget", "new_state", "pad_cols", "record", "reset_outputs", "sync",
-           "uniforms", "wave_rows"]
+__all__ = ["State", "new_state", "pad_cols", "record", "reset_outputs", "sync", "uniforms",
+           "wave_rows"]
 
 _STEP_FIELDS = ("tok", "slot", "step", "done", "out_tok", "out_lp", "out_mask", "out_ent")
 
@@ -179,14 +179,6 @@ def pad_cols(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
 
 
 SAMPLING_BYTES_PER_LOGIT = 32  # float32 logits, softmax, sorted copy, int64 order, cumsum
-
-
-def check_budget(kv_budget_gib: float | None, kv_budget_fraction: float) -> None:
-    """The engine's memory budget options (:func:`wave_rows`), checked."""
-    if kv_budget_gib is not None and not kv_budget_gib > 0:
-        raise ValueError(f"kv_budget_gib must be > 0 (or None), got {kv_budget_gib}")
-    if not 0 < kv_budget_fraction <= 1:
-        raise ValueError(f"kv_budget_fraction must be in (0, 1], got {kv_budget_fraction}")
 
 
 def uniforms(generator, T: int, n: int, N: int, dev: torch.device) -> torch.Tensor:
