@@ -11,9 +11,7 @@ written per second). Methods: ``cublas_bf16`` (F.linear on bf16 weights), ``humm
 ``dequant_cublas_<fmt>`` (our Triton dequantize into the scratch + cuBLAS, the training / large-M
 path), ``gemv_<fmt>`` (our FP4 GEMV for a few rows, ``qerl.kernels.fp4_gemv``; ``gemv8x2p1_<fmt>``:
 8 warps a CTA, batches of 2 steps, the next batch loading while one computes; ``gemv4x1p0t2``:
-two tiles of 16 features a CTA), ``rows_<fmt>`` (our FP4 GEMM for 9-64 rows,
-``qerl.kernels.fp4_rows``; ``rows4x2u2k4``: 4 warps a CTA of 2 tiles of 16 features each, 2 steps
-of weights in flight, K split over 4 CTAs); ``_pdl``,
+two tiles of 16 features a CTA; ``_pdl``,
 ``_sms124`` (at most that many multiprocessors' worth of CTAs) and humming's ``_bf16s`` copy:
 see ``_gemm``) and, with ``--legacy``, the removed Triton FP4 kernel (a copy of its old module).
 
@@ -152,7 +150,7 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
     base = _fp4(n, k, fmt)
     nb = _fp4_bytes(base)
     copies = [{kk: v.clone() for kk, v in base.items()} for _ in range(_copies(nb))]
-    if method.startswith(("humming", "gemv", "rows")):
+    if method.startswith(("humming", "gemv")):
         gs = [_gemm(method, fmt, c) for c in copies]
         del copies
         pdl = "pdl" in method.split("_")
@@ -185,10 +183,8 @@ def method_calls(method: str, n: int, k: int, m: int, legacy=None) -> tuple[list
 FP4 = "(nvfp4|mxfp4)"
 METHOD = re.compile(rf"cublas_bf16|dequant_cublas_{FP4}|legacy_triton_{FP4}"
                     rf"|humming(_bf16s)?(_sms\d+)?(_pdl)?_{FP4}"
-                    rf"|gemv(\d+x\d+p[01](t[12])?(k\d+)?)?(_sms\d+)?(_pdl)?(_lora\d+)?_{FP4}"
-                    rf"|rows(\d+x\d+u\d+)?(k\d+)?(_sms\d+)?(_pdl)?_{FP4}")
+                    rf"|gemv(\d+x\d+p[01](t[12])?(k\d+)?)?(_sms\d+)?(_pdl)?(_lora\d+)?_{FP4}")
 GEMV_VARIANT = re.compile(r"gemv(\d+)x(\d+)p([01])(?:t([12]))?(?:k(\d+))?")
-ROWS_VARIANT = re.compile(r"rows(?:(\d+)x(\d+)u(\d+))?(?:k(\d+))?")
 
 
 def check_methods(methods: list[str]) -> None:
@@ -198,7 +194,6 @@ def check_methods(methods: list[str]) -> None:
             raise ValueError(f"unknown method {m!r}: known are cublas_bf16, "
                              "humming[_bf16s][_smsN][_pdl]_<fmt>, "
                              "gemv[<W>x<U>p<0|1>[t<1|2>][k<S>]][_smsN][_pdl][_loraR]_<fmt>, "
-                             "rows[<W>x<F>u<U>][k<S>][_smsN][_pdl]_<fmt>, "
                              "dequant_cublas_<fmt>, legacy_triton_<fmt> (fmt: nvfp4 or mxfp4)")
 
 
@@ -232,13 +227,6 @@ def _gemm(method: str, fmt: str, t: dict):
                           layout="bf16_scales" if "bf16s" in method.split("_") else "ct")
     from qerl.kernels.fp4_gemv import Fp4Gemv
 
-    if head.startswith("rows"):  # M > 8 only: the GEMV hands those to its Fp4Rows
-        from qerl.kernels.fp4_rows import Fp4Rows
-
-        g = Fp4Gemv(fmt, member)
-        *variant, split = (int(v) if v else None for v in ROWS_VARIANT.fullmatch(head).groups())
-        g.rows = Fp4Rows(g, None if variant[0] is None else tuple(variant), split)
-        return g
     variant, split = gemv_variant(method)
     return Fp4Gemv(fmt, member, variant=variant, split_k=split)
 
@@ -251,7 +239,7 @@ def check_accuracy(method: str, n: int, k: int, m: int, legacy=None) -> float:
     t = _fp4(n, k, fmt)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ FORMATS[fmt].dequantize(t, torch.float32).t()
-    if method.startswith(("humming", "gemv", "rows")):
+    if method.startswith(("humming", "gemv")):
         g = _gemm(method, fmt, t)
         y = g(x)
         if getattr(g, "col_scale", None) is not None:  # humming's, for the consumer to apply

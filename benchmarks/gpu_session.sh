@@ -122,14 +122,6 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       [ $phase = gemvtests ] || timeout ${GEMV_TIMEOUT:-200} python3 benchmarks/fp4_matmul.py --model ${GEMV_MODEL:-7b} --ms ${GEMV_MS:-1,4} ${GEMV_ONLY:+--only $GEMV_ONLY} \
         --methods ${GEMV_METHODS:-cublas_bf16,humming_bf16s_pdl_nvfp4,gemv4x1p0_pdl_nvfp4,gemv4x2p0_pdl_nvfp4,gemv8x1p0_pdl_nvfp4,gemv8x2p0_pdl_nvfp4,gemv8x4p0_pdl_nvfp4,gemv16x2p0_pdl_nvfp4,gemv4x2p1_pdl_nvfp4,gemv8x1p1_pdl_nvfp4,gemv8x2p1_pdl_nvfp4,gemv_pdl_mxfp4} \
         --json "$OUT/fp4_gemv_${GEMV_MODEL:-7b}.json" ;;
-    rows|rowstests)  # our FP4 GEMM for 9-64 rows (qerl.kernels.fp4_rows): GPU tests, then (rows)
-      # against humming per decode shape; ROWS_SPECS: model:rows ..., one JSON a model
-      timeout ${ROWSTESTS_TIMEOUT:-200} python3 -m pytest -p no:cacheprovider -n 8 -rfE \
-        tests/kernels/test_fp4_rows.py 2>&1 | tail -15; echo "pytest rc=${PIPESTATUS[0]}"
-      [ $phase = rowstests ] || for spec in ${ROWS_SPECS:-7b:16,64 32b:32}; do
-        timeout ${ROWS_TIMEOUT:-150} python3 benchmarks/fp4_matmul.py --model ${spec%%:*} --ms ${spec#*:} \
-          --methods ${ROWS_METHODS:-cublas_bf16,humming_bf16s_pdl_nvfp4,humming_bf16s_sms124_pdl_nvfp4,rows_pdl_nvfp4,rows_sms124_pdl_nvfp4,rows4x1u2_pdl_nvfp4,rows4x2u3_pdl_nvfp4,rows8x1u2_pdl_nvfp4,rows_pdl_mxfp4} \
-          --json "$OUT/fp4_rows_${spec%%:*}.json"; done ;;
     micro)
       timeout 120 python3 benchmarks/fp4_matmul.py --model 7b --ms 1,64 --json "$OUT/fp4_matmul.json" ;;
     crossover)

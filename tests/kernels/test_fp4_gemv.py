@@ -11,7 +11,6 @@ import torch
 
 from qerl.kernels import fp4_gemv
 from qerl.kernels.fp4_gemv import MAX_M, Fp4Gemv, mx_bias, supports
-from qerl.kernels.fp4_rows import MAX_ROWS
 from qerl.quant.formats import FORMATS, e2m1_decode, unpack_fp4
 
 FMTS = ["mxfp4", "nvfp4"]
@@ -157,9 +156,7 @@ def test_bad_inputs_raise_before_any_work() -> None:
     assert split.nbytes() == 32 * 4 + 32 * MAX_M * 4 + 2 * 4  # + [N, 8] sums, 2 tile counters
     g = Fp4Gemv("nvfp4", _members(t))
     with pytest.raises(ValueError, match="x must be bf16"):
-        g(torch.zeros(MAX_ROWS + 1, 256, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="8 rows at most with lora"):  # the GEMV's LoRA: 8 rows
-        g(torch.zeros(MAX_M + 1, 256, dtype=torch.bfloat16), lora=(None, None, None))
+        g(torch.zeros(MAX_M + 1, 256, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="x must be bf16"):
         g(torch.zeros(1, 256, dtype=torch.float16))
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
@@ -195,8 +192,7 @@ def test_variant_and_preference_by_shape() -> None:
 def test_supports() -> None:
     assert supports("nvfp4", 3584, 1, torch.bfloat16)
     assert supports("mxfp4", 128, MAX_M, torch.bfloat16)
-    assert supports("nvfp4", 3584, MAX_ROWS, torch.bfloat16)  # through fp4_rows
-    assert not supports("nvfp4", 3584, MAX_ROWS + 1, torch.bfloat16)
+    assert not supports("nvfp4", 3584, MAX_M + 1, torch.bfloat16)
     assert not supports("nvfp4", 3584, 0, torch.bfloat16)
     assert not supports("nvfp4", 160, 1, torch.bfloat16)
     assert not supports("nvfp4", 3584, 1, torch.float16)

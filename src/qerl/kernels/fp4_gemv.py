@@ -29,7 +29,6 @@ from collections.abc import Sequence
 import torch
 
 from qerl.kernels.fp4_gemv_build import kernel_function, launch
-from qerl.kernels.fp4_rows import MAX_ROWS, Fp4Rows
 from qerl.quant.formats import FORMATS
 
 __all__ = ["MAX_M", "STEP_K", "Fp4Gemv", "default_split_k", "default_variant", "mx_bias",
@@ -40,11 +39,9 @@ STEP_K = 128  # K a warp covers per step: K must be a multiple
 
 
 def supports(fmt: str, k: int, m: int, dtype: torch.dtype, device: torch.device | None = None) -> bool:
-    """Whether :class:`Fp4Gemv` runs ``m`` rows of bf16 ``dtype`` activations against FP4
-    weights with ``k`` inputs (on ``device``: CUDA of compute capability 9.0 or newer): up to
-    ``MAX_M`` rows through the GEMV, up to :data:`qerl.kernels.fp4_rows.MAX_ROWS` (without an
-    in-kernel LoRA) through :class:`qerl.kernels.fp4_rows.Fp4Rows`."""
-    if fmt not in ("nvfp4", "mxfp4") or dtype != torch.bfloat16 or not 0 < m <= MAX_ROWS:
+    """Whether the kernel runs ``m`` rows of bf16 ``dtype`` activations against FP4 weights with
+    ``k`` inputs (on ``device``: CUDA of compute capability 9.0 or newer)."""
+    if fmt not in ("nvfp4", "mxfp4") or dtype != torch.bfloat16 or not 0 < m <= MAX_M:
         return False
     if k % STEP_K:
         return False
@@ -162,13 +159,12 @@ class Fp4Gemv:
         self._functions: dict[tuple[int, ...], tuple] = {}
         self._weight_args = (*ptrs, *ptrs[-2:] * (3 - len(self.weights)), *ends,
                              self.column_factor.data_ptr())
-        self.rows = Fp4Rows(self)  # waves of more than MAX_M rows
 
     def nbytes(self) -> int:
         """Bytes this GEMM adds to the weights it reads in place (its column factors, and with a
         split of K its workspace and counters)."""
         extra = [self.column_factor, *(self._split or ())]
-        return sum(t.numel() * t.element_size() for t in extra) + self.rows.nbytes()
+        return sum(t.numel() * t.element_size() for t in extra)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  pdl: bool = False, sms: int | None = None,
@@ -184,12 +180,10 @@ class Fp4Gemv:
         the kernel reads each member's window only), ``sms`` must then be None (one CTA a tile
         group)."""
         m = int(x.shape[0])
-        top = MAX_M if lora is not None else MAX_ROWS
         if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k
-                or not 0 < m <= top or x.device != self.device):
-            raise ValueError(f"Fp4Gemv: x must be bf16 [1..{top}, {self.k}] on {self.device} "
-                             f"({MAX_M} rows at most with lora), got {x.dtype} {list(x.shape)} "
-                             f"on {x.device}")
+                or not 0 < m <= MAX_M or x.device != self.device):
+            raise ValueError(f"Fp4Gemv: x must be bf16 [1..{MAX_M}, {self.k}] on {self.device}, "
+                             f"got {x.dtype} {list(x.shape)} on {x.device}")
         if not x.is_contiguous() or x.data_ptr() % 16:  # a fresh copy is both
             x = x.clone(memory_format=torch.contiguous_format)
         if out is None:
@@ -202,8 +196,6 @@ class Fp4Gemv:
         if sms is not None and (sms < 1 or lora is not None):
             raise ValueError(f"Fp4Gemv: sms must be a positive number of multiprocessors or "
                              f"None (None with lora), got {sms}")
-        if m > MAX_M:
-            return self.rows(x, out, pdl, sms)
         window = 0 if lora is None else lora[0].check(self, *lora[1:])
         ks = self.split_k if lora is None else 1
         warps, unr, pipe, ft = _fitting(self.variant, m, window)
