@@ -267,6 +267,35 @@ def test_sample_kernel_matches_the_torch_reference(dt, kind, v, mode, chunk) -> 
         torch.testing.assert_close(ent, rent, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dt", (torch.float32, torch.bfloat16))
+def test_sample_top_p_with_chunks_wholly_outside_the_search_interval(dt) -> None:
+    """Chunks of 64 logits: one all near 5 (89 % of the mass: above the nucleus' edge), one
+    spread over [1, 4], two near 0 (the edge in one of those, by top_p): the search takes its
+    shortcuts for the chunks wholly above or below a level's interval and still draws the torch
+    reference's tokens, on both sides of the first chunk."""
+    from qerl.rollout.fast.sampling import sample_tokens_torch
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    row = torch.cat([5.0 + 0.05 * torch.randn(64, generator=g, device=DEV),
+                     torch.linspace(1.0, 4.0, 64, device=DEV),
+                     0.3 * torch.randn(128, generator=g, device=DEV)])
+    b = 32
+    logits = row.expand(b, -1).contiguous().to(dt)
+    u = torch.linspace(0.0, 0.999, b, device=DEV)  # the whole kept CDF, its top end included
+    t = torch.ones(1, device=DEV)
+    for top_p in (0.9, 0.97, 0.995):
+        p = torch.tensor([top_p], device=DEV)
+        tok, lp, _ = S.sample_kernel(logits, u, t, p, "top_p", chunk=64)
+        full_search = S.sample_kernel(logits, u, t, p, "top_p", chunk=64, skip=False)
+        assert torch.equal(tok, full_search[0]) and torch.equal(lp, full_search[1])  # shortcut: same
+        rtok = sample_tokens_torch(logits, u, t, p, "top_p")[0]
+        for i in torch.nonzero(tok != rtok).flatten().tolist():
+            assert _near_a_boundary(logits[i].cpu(), float(u[i]), 1.0, top_p, int(tok[i])), i
+        assert (tok >= 64).any() and (tok < 64).any(), top_p  # draws on both sides of chunk 0
+        torch.testing.assert_close(lp, torch.log_softmax(logits.float(), -1).gather(
+            -1, tok[:, None]).squeeze(-1), atol=2e-5, rtol=1e-5)
+
+
 def test_sample_kernel_compiles_for_hopper() -> None:
     """The real compiler's type checks (the interpreter runs the kernel without them): PTX for
     sm_90 in a process without ``TRITON_INTERPRET``; no GPU needed."""
@@ -295,7 +324,8 @@ for bits in (16, 32):
         build(S._stats_kernel, MODE=mode, KEY_BITS=bits, CHUNK=4096)
         build(S._pick_kernel, MODE=mode, LEVELS=levels, KEY_BITS=bits, CHUNK=4096, CP2=64)
     for level in (1, 2, levels - 1):
-        build(S._nucleus_kernel, LEVEL=level, KEY_BITS=bits, CHUNK=4096, CP2=64)
+        for skip in (True, False):
+            build(S._nucleus_kernel, LEVEL=level, KEY_BITS=bits, CHUNK=4096, CP2=64, SKIP=skip)
 print("compiled")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

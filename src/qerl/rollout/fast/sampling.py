@@ -215,9 +215,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _nucleus_kernel(x_ptr, sx, t_ptr, p_ptr, st_ptr, part_ptr, lo_ptr, V, B, C, LEVEL: tl.constexpr,
-                        KEY_BITS: tl.constexpr, CHUNK: tl.constexpr, CP2: tl.constexpr):
+                        KEY_BITS: tl.constexpr, CHUNK: tl.constexpr, CP2: tl.constexpr,
+                        SKIP: tl.constexpr = True):
         """Program (row, chunk), one level of the 16-ary search for the nucleus: the chunk's mass above
-        each of 16 thresholds ``lo + k * step`` of the level's interval (k = 0 is ``lo`` itself)."""
+        each of 16 thresholds ``lo + k * step`` of the level's interval (k = 0 is ``lo`` itself);
+        ``SKIP``: chunks wholly below or above the interval take a shortcut."""
         row, ch = tl.program_id(0), tl.program_id(1)
         _, _, _, m, s, _, _, scale = _row_stats(st_ptr, row, C, CP2)
         lo, _ = _level_lo(part_ptr, lo_ptr, row, B, C, tl.load(p_ptr) * s, scale, LEVEL, KEY_BITS, CP2)
@@ -225,9 +227,20 @@ if HAS_TRITON:
             tl.store(lo_ptr + LEVEL * B + row, lo.to(tl.int64))
         offs = ch * CHUNK + tl.arange(0, CHUNK)
         xr = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=offs < V, other=float("-inf"))
-        z = _scaled(xr, t_ptr, 1)
-        e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
-        acc = _masses_above(_logit_keys(xr, KEY_BITS), e, lo, LEVEL, KEY_BITS)
+        key = _logit_keys(xr, KEY_BITS)
+        # Each level's interval is 16x narrower, so from the second on most chunks lie wholly
+        # below it (no mass above any threshold) or, fewer, wholly above it (all of the chunk's
+        # mass above every threshold): only chunks that straddle it need the 16 sums.
+        if SKIP and tl.max(key, 0) <= lo:
+            acc = tl.zeros((16,), tl.float32)
+        else:
+            z = _scaled(xr, t_ptr, 1)
+            e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
+            top = lo + 15 * (tl.full([], 1, lo.dtype) << (KEY_BITS - 4 * (LEVEL + 1)))
+            if SKIP and tl.min(key, 0) > top:
+                acc = tl.zeros((16,), tl.float32) + tl.sum(e, 0)
+            else:
+                acc = _masses_above(key, e, lo, LEVEL, KEY_BITS)
         tl.store(part_ptr + ((LEVEL * B + row).to(tl.int64) * C + ch) * 16 + tl.arange(0, 16), acc)
 
     @triton.jit
@@ -285,7 +298,8 @@ SAMPLE_MODES = {"greedy": 0, "full": 1, "top_p": 2}
 
 
 def sample_kernel(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  mode: str, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  mode: str, chunk: int = 4096,
+                  skip: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sample_tokens` in Triton kernels over (row, vocabulary chunk) grids: ``(token [B] int64,
     log-prob [B], entropy [B])`` of ``logits [B, V]`` (16- or 32-bit floats).
 
@@ -296,7 +310,9 @@ def sample_kernel(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tens
     statistics pass (its thresholds are the same for every row), each other one a pass more (3 for
     bf16/fp16, 7 for float32; int32 keys for 16-bit logits); then one program a row picks
     the chunk and reads only that chunk for the token. ``chunk``: logits a program reads (a power
-    of two, at least 64)."""
+    of two, at least 64). ``skip``: from the second level on, a chunk wholly below the level's
+    interval adds nothing and one wholly above adds its whole mass to every threshold, without
+    the 16 sums (the same result; off only to measure what it saves)."""
     b, v = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -319,7 +335,7 @@ def sample_kernel(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tens
         for level in range(1, levels):
             _nucleus_kernel[(b, n_chunks)](logits, sx, temperature, top_p, st, part, lo, v, b, n_chunks,
                                            LEVEL=level, KEY_BITS=key_bits, CHUNK=chunk, CP2=cp2,
-                                           num_warps=8 if chunk >= 4096 else 4)
+                                           SKIP=skip, num_warps=8 if chunk >= 4096 else 4)
     _pick_kernel[(b,)](logits, sx, u, temperature, top_p, st, arg, part, lo, tok, lp, ent, v, b, n_chunks,
                        MODE=mode_id, LEVELS=levels, KEY_BITS=key_bits, CHUNK=chunk, CP2=cp2,
                        num_warps=8 if chunk >= 4096 else 4)
