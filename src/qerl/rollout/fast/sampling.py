@@ -123,10 +123,15 @@ if HAS_TRITON:
             return tl.full([], -(2 ** 31) - 1, tl.int64)
 
     @triton.jit
+    def _threshold_step(lo, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr):
+        """The distance between LEVEL's 16 thresholds ``lo + k * step``: 16^(levels - LEVEL - 1)."""
+        return tl.full([], 1, lo.dtype) << (KEY_BITS - 4 * (LEVEL + 1))
+
+    @triton.jit
     def _masses_above(key, e, lo, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr):
         """``[16]``: the mass ``e`` of the keys above each threshold ``lo + k * step`` of LEVEL's
-        interval (k = 0 is ``lo`` itself; step = 16^(levels - LEVEL - 1))."""
-        step = tl.full([], 1, lo.dtype) << (KEY_BITS - 4 * (LEVEL + 1))
+        interval (k = 0 is ``lo`` itself; :func:`_threshold_step`)."""
+        step = _threshold_step(lo, LEVEL, KEY_BITS)
         j = tl.arange(0, 16)
         acc = tl.zeros((16,), tl.float32)
         for k in tl.static_range(16):
@@ -207,7 +212,7 @@ if HAS_TRITON:
             masses = tl.sum(chunk_masses, 0)
             # masses[k]: the mass above lo_prev + k * step, not increasing in k; the last one still >= target
             jstar = tl.sum(((masses >= target) & (j > 0)).to(tl.int32), 0)
-            step = tl.full([], 1, lo.dtype) << (KEY_BITS - 4 * LEVEL)
+            step = _threshold_step(lo, LEVEL - 1, KEY_BITS)  # the previous level's
             if LEVEL > 1:
                 lo = tl.load(lo_ptr + (LEVEL - 1) * B + row).to(lo.dtype)
             lo = lo + jstar.to(lo.dtype) * step
@@ -236,8 +241,7 @@ if HAS_TRITON:
         else:
             z = _scaled(xr, t_ptr, 1)
             e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
-            top = lo + 15 * (tl.full([], 1, lo.dtype) << (KEY_BITS - 4 * (LEVEL + 1)))
-            if SKIP and tl.min(key, 0) > top:
+            if SKIP and tl.min(key, 0) > lo + 15 * _threshold_step(lo, LEVEL, KEY_BITS):
                 acc = tl.zeros((16,), tl.float32) + tl.sum(e, 0)
             else:
                 acc = _masses_above(key, e, lo, LEVEL, KEY_BITS)
