@@ -131,7 +131,7 @@ except Exception as e: print('torch.sort [64, 152064] not capturable:', repr(e)[
       timeout 60 python3 benchmarks/fp4_matmul.py --train --json "$OUT/fp4_train.json" ;;
     sampling)
       timeout 120 python3 benchmarks/sampling.py --rows ${SAMPLING_ROWS:-1,64,128,1024} --logits ${SAMPLING_LOGITS:-normal} \
-        --json "$OUT/sampling_${SAMPLING_LOGITS:-normal}.json" ;;
+        --chunks "${SAMPLING_CHUNKS:-}" --json "$OUT/sampling_${SAMPLING_LOGITS:-normal}.json" ;;
     rollout7b64)
       timeout ${R64_TIMEOUT:-150} python3 benchmarks/rollout_throughput.py --rows 7b-64 --check --profile \
         --columns ${COLS_7B64:-fast_bf16,fast_nvfp4,fast_nvfp4_lora,fast_mxfp4_lora} \

@@ -1,11 +1,12 @@
 """The fast engine's sampling step on one GPU: device time per call of ``sample_tokens`` and of its
 parts, at the LM-head width of Qwen2.5 (152,064), replayed as CUDA graphs.
 
-    python benchmarks/sampling.py [--rows 1,64,128] [--logits normal|lm] [--json sampling.json]
+    python benchmarks/sampling.py [--rows 1,64,128] [--logits normal|lm] [--chunks 1024,2048] [--json sampling.json]
 
 Rows are batch sizes; columns: ``sample_tokens`` per mode (greedy, full, top_p=0.95: the Triton
 kernel, ``sampling.sample_kernel``; ``sample_top_p_noskip``: its nucleus search without the
-shortcut for chunks outside a level's interval), the same with the torch reference (``torch_*``,
+shortcut for chunks outside a level's interval; ``sample_top_p_c<N>``: chunks of N logits
+instead of 4,096, from ``--chunks``), the same with the torch reference (``torch_*``,
 :func:`sample_tokens_torch`), and parts of the torch top-p path (the sort on the bf16 logits,
 softmax, the log-prob + entropy of :func:`qerl.rl.logprobs.token_logprobs_and_entropy`). Also
 checks that the kernel's tokens match the reference's (``mismatch_*``: the share that differ,
@@ -66,7 +67,7 @@ def make_logits(b: int, kind: str, gen: torch.Generator) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def row(b: int, kind: str = "normal") -> dict:
+def row(b: int, kind: str = "normal", chunks: tuple[int, ...] = ()) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(b)
     logits = make_logits(b, kind, gen)
     u = torch.rand(b, device="cuda", generator=gen)
@@ -76,11 +77,17 @@ def row(b: int, kind: str = "normal") -> dict:
     cells = {f"sample_{m}": graph_us(lambda m=m: S.sample_kernel(logits, u, temp, top_p, m)) for m in modes}
     cells["sample_top_p_noskip"] = graph_us(  # the search without its shortcut for outside chunks
         lambda: S.sample_kernel(logits, u, temp, top_p, "top_p", skip=False))
+    for c in chunks:  # other chunk widths (fewer nucleus tokens a chunk: more chunks skip)
+        cells[f"sample_top_p_c{c}"] = graph_us(lambda c=c: S.sample_kernel(logits, u, temp, top_p, "top_p", chunk=c))
     cells |= {f"torch_{m}": graph_us(lambda m=m: sample_tokens_torch(logits, u, temp, top_p, m))
               for m in modes}
     for m in modes:
         got, ref = S.sample_kernel(logits, u, temp, top_p, m)[0], sample_tokens_torch(logits, u, temp, top_p, m)[0]
         cells[f"mismatch_{m}"] = float((got != ref).float().mean())
+    ref = sample_tokens_torch(logits, u, temp, top_p, "top_p")[0]
+    for c in chunks:
+        got = S.sample_kernel(logits, u, temp, top_p, "top_p", chunk=c)[0]
+        cells[f"mismatch_top_p_c{c}"] = float((got != ref).float().mean())
     cells["sort_bf16"] = graph_us(lambda: torch.sort(logits, stable=True, dim=-1, descending=True))
     cells["softmax"] = graph_us(lambda: torch.softmax(logits.float(), -1))
     cells["logprob_entropy"] = graph_us(
@@ -92,13 +99,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,64,128")
     ap.add_argument("--logits", default="normal", choices=("normal", "lm"))
+    ap.add_argument("--chunks", default="", help="other chunk widths for top_p, e.g. 1024,2048")
     ap.add_argument("--json", default="sampling.json")
     a = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": "python benchmarks/sampling.py " + " ".join(sys.argv[1:]), "vocab": VOCAB,
            "unit": "us per call (CUDA graph replay)", "rows": []}
     for b in (int(x) for x in a.rows.split(",")):
-        out["rows"].append(row(b, a.logits))
+        out["rows"].append(row(b, a.logits, tuple(int(c) for c in a.chunks.split(",") if c)))
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     keys = [k for k in out["rows"][0] if k not in ("B", "logits")]
