@@ -15,6 +15,20 @@ os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "1")
 TINY_VOCAB = 64
 
 
+def file_scheduling(dist: str, args: list[str]) -> str:
+    """xdist's scheduling for this suite: ``loadfile`` where ``-n N`` alone picked per-test
+    ``load``. Some files run their tests in order on shared state (tests/test_cli.py is one CLI
+    scenario: the notebook test reads what the training tests wrote), so a file must stay on one
+    worker; a ``--dist`` the caller gives is kept."""
+    given = any(a == "--dist" or a.startswith("--dist=") for a in args)
+    return "loadfile" if dist == "load" and not given else dist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "dist"):  # pytest-xdist loaded (the scheduler is made after this)
+        config.option.dist = file_scheduling(config.option.dist, list(config.invocation_params.args))
+
+
 def _tiny_tokenizer():  # -> PreTrainedTokenizerFast
     """A word-level tokenizer over 64 symbols (specials, digits, letters, punctuation)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

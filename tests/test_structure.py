@@ -1,14 +1,18 @@
 """The shape of the code base: no import cycles, no pipeline reaching into another pipeline's nodes,
-a Kedro-free core, and files a reader can hold (<= 400 lines)."""
+a Kedro-free core, files a reader can hold (<= 400 lines), and the suite's own scheduling."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 PKG = SRC / "qerl"
 KEDRO_LAYER = ("qerl.pipelines", "qerl.datasets", "qerl.hooks", "qerl.settings", "qerl.cli", "qerl.runner",
                "qerl.config_loader", "qerl.tracking", "qerl.pipeline_registry", "qerl.__main__")
@@ -142,3 +146,22 @@ def test_the_core_does_not_import_kedro() -> None:
 @pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
 def test_files_stay_readable(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= MAX_LINES
+
+
+@pytest.mark.parametrize("extra,expected", [([], "loadfile"), (["--dist", "load"], "load")])
+def test_xdist_keeps_each_test_file_on_one_worker(tmp_path: Path, extra: list[str], expected: str) -> None:
+    """``pytest -n N`` alone schedules by file (tests/conftest.py: tests/test_cli.py is one
+    scenario in order); a ``--dist`` given on the command line is kept."""
+    pytest.importorskip("xdist")
+    (tmp_path / "dist_probe.py").write_text(
+        "import os\n"
+        "def pytest_sessionstart(session):\n"
+        "    if not hasattr(session.config, 'workerinput'):\n"
+        "        open(os.environ['DIST_PROBE_OUT'], 'w').write(session.config.option.dist)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "DIST_PROBE_OUT": str(tmp_path / "dist.txt")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "dist_probe", "-p", "no:cacheprovider", "-n", "2",
+                           *extra, f"{Path(__file__).resolve()}::test_no_import_cycles"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "dist.txt").read_text() == expected
