@@ -81,13 +81,13 @@ def row(b: int, kind: str = "normal", chunks: tuple[int, ...] = ()) -> dict:
         cells[f"sample_top_p_c{c}"] = graph_us(lambda c=c: S.sample_kernel(logits, u, temp, top_p, "top_p", chunk=c))
     cells |= {f"torch_{m}": graph_us(lambda m=m: sample_tokens_torch(logits, u, temp, top_p, m))
               for m in modes}
+    refs = {m: sample_tokens_torch(logits, u, temp, top_p, m)[0] for m in modes}
     for m in modes:
-        got, ref = S.sample_kernel(logits, u, temp, top_p, m)[0], sample_tokens_torch(logits, u, temp, top_p, m)[0]
-        cells[f"mismatch_{m}"] = float((got != ref).float().mean())
-    ref = sample_tokens_torch(logits, u, temp, top_p, "top_p")[0]
+        got = S.sample_kernel(logits, u, temp, top_p, m)[0]
+        cells[f"mismatch_{m}"] = float((got != refs[m]).float().mean())
     for c in chunks:
         got = S.sample_kernel(logits, u, temp, top_p, "top_p", chunk=c)[0]
-        cells[f"mismatch_top_p_c{c}"] = float((got != ref).float().mean())
+        cells[f"mismatch_top_p_c{c}"] = float((got != refs["top_p"]).float().mean())
     cells["sort_bf16"] = graph_us(lambda: torch.sort(logits, stable=True, dim=-1, descending=True))
     cells["softmax"] = graph_us(lambda: torch.softmax(logits.float(), -1))
     cells["logprob_entropy"] = graph_us(
